@@ -1,0 +1,1 @@
+"""Converting, distilling, fine-tuning and publishing delta-attention models."""

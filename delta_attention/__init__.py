@@ -1,0 +1,33 @@
+"""delta-attention: delta-rule linear attention for Hugging Face Transformers.
+
+Importing the package registers `DeltaConfig`, `DeltaModel` and `DeltaForCausalLM` with the Auto classes.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .modeling import (
+    DeltaConfig,
+    DeltaForCausalLM,
+    DeltaModel,
+    DeltaPreTrainedModel,
+    chunk_delta_rule,
+    delta_rule_reference,
+    recurrent_delta_rule,
+)
+
+__version__ = "0.1.0"
+
+AutoConfig.register(DeltaConfig.model_type, DeltaConfig, exist_ok=True)
+AutoModel.register(DeltaConfig, DeltaModel, exist_ok=True)
+AutoModelForCausalLM.register(DeltaConfig, DeltaForCausalLM, exist_ok=True)
+
+__all__ = [
+    "DeltaConfig",
+    "DeltaForCausalLM",
+    "DeltaModel",
+    "DeltaPreTrainedModel",
+    "__version__",
+    "chunk_delta_rule",
+    "delta_rule_reference",
+    "recurrent_delta_rule",
+]

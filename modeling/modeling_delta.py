@@ -1,0 +1,474 @@
+"""Delta-attention decoder: Llama-family blocks whose token mixers are delta attention or softmax attention.
+
+Delta layers keep one fixed-size state per head (see `delta_rule.py` for the maths), stored in transformers'
+own `LinearAttentionLayer` cache entries; softmax layers use the usual KV cache entries. Which layer is
+which comes from `config.layer_types`, so `DynamicCache(config=...)` and `StaticCache` build the right mix.
+"""
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_recurrent_attention_mask,
+    create_sliding_window_causal_mask,
+)
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .configuration_delta import DeltaConfig
+from .delta_rule import chunk_delta_rule, recurrent_delta_rule
+
+
+MASK_FUNCTIONS = {
+    "full_attention": create_causal_mask,
+    "sliding_attention": create_sliding_window_causal_mask,
+    "linear_attention": create_recurrent_attention_mask,
+}
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dimension (fla's convention)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+class DeltaRMSNorm(LlamaRMSNorm):
+    pass
+
+
+class DeltaHeadRMSNorm(nn.Module):
+    """RMSNorm over each head's value dimension, with its own weight for every channel of every head."""
+
+    def __init__(self, num_heads: int, head_dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.weight = nn.Parameter(torch.ones(num_heads * head_dim))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # hidden_states: [B, T, H, V]
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.float()
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return (self.weight.view(self.num_heads, self.head_dim) * hidden_states).to(input_dtype)
+
+
+class DeltaAttention(nn.Module):
+    """Delta attention: short conv, L2-normalised q/k, beta, decay gate, delta-rule state, gated output norm."""
+
+    def __init__(self, config: DeltaConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.linear_num_heads
+        self.key_head_dim = config.linear_key_head_dim
+        self.value_head_dim = config.linear_value_head_dim
+        self.key_dim = self.num_heads * self.key_head_dim
+        self.value_dim = self.num_heads * self.value_head_dim
+        self.gate = config.linear_gate
+        self.conv_kernel_size = config.linear_conv_kernel_size
+        self.chunk_size = config.linear_chunk_size
+        self.allow_neg_eigval = config.linear_allow_neg_eigval
+        hidden = config.hidden_size
+
+        self.q_proj = nn.Linear(hidden, self.key_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, self.key_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, self.value_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.value_dim, hidden, bias=config.attention_out_bias)
+        self.b_proj = nn.Linear(hidden, self.num_heads, bias=True)
+
+        if self.gate == "scalar":
+            self.a_proj = nn.Linear(hidden, self.num_heads, bias=False)
+            self.dt_bias = nn.Parameter(torch.zeros(self.num_heads))
+        elif self.gate == "channel":
+            self.a_proj = nn.Linear(hidden, config.linear_gate_low_rank_dim, bias=False)
+            self.a_up_proj = nn.Linear(config.linear_gate_low_rank_dim, self.key_dim, bias=False)
+            self.dt_bias = nn.Parameter(torch.zeros(self.key_dim))
+        if self.gate != "none":
+            self.A_log = nn.Parameter(torch.zeros(self.num_heads))
+
+        if self.conv_kernel_size > 0:
+            conv_dim = 2 * self.key_dim + self.value_dim
+            self.conv1d = nn.Conv1d(
+                conv_dim, conv_dim, self.conv_kernel_size, groups=conv_dim, padding=self.conv_kernel_size - 1, bias=False
+            )
+            self.conv_act = ACT2FN[config.linear_conv_activation] if config.linear_conv_activation else nn.Identity()
+
+        if config.use_qk_norm:
+            self.q_norm = DeltaRMSNorm(self.key_head_dim, eps=config.rms_norm_eps)
+            self.k_norm = DeltaRMSNorm(self.key_head_dim, eps=config.rms_norm_eps)
+        self.o_norm = DeltaHeadRMSNorm(self.num_heads, self.value_head_dim, eps=config.rms_norm_eps)
+        if config.linear_output_gate:
+            self.g_proj = nn.Linear(hidden, self.value_dim, bias=True)
+            self.gate_act = ACT2FN[config.linear_output_gate_activation]
+
+    def _short_conv(self, mixed_qkv: torch.Tensor, cache: Cache | None) -> torch.Tensor:
+        # mixed_qkv: [B, T, D] -> causal depthwise conv over T, continuing from the cached last inputs
+        seq_len = mixed_qkv.shape[1]
+        conv_input = mixed_qkv.transpose(1, 2)  # [B, D, T]
+        if cache is not None:
+            # returns [cached inputs | new inputs] (or the new inputs left-padded on a first call)
+            conv_input = cache.update_conv_state(conv_input, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+        out = F.conv1d(conv_input, self.conv1d.weight, padding=self.conv_kernel_size - 1, groups=conv_input.shape[1])
+        out = out[..., : conv_input.shape[-1]][..., -seq_len:]
+        return self.conv_act(out.transpose(1, 2))
+
+    def _log_decay(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        # Mamba2-style decay g = -exp(A_log) * softplus(a + dt_bias): [B, T, H] (scalar) or [B, T, H, K] (channel)
+        if self.gate == "none":
+            return None
+        if self.gate == "scalar":
+            a = self.a_proj(hidden_states).float()
+            return -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
+        a = self.a_up_proj(self.a_proj(hidden_states)).float() + self.dt_bias.float()
+        a = a.unflatten(-1, (self.num_heads, self.key_head_dim))
+        return -self.A_log.float().exp()[:, None] * F.softplus(a)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, None]:
+        batch, seq_len, _ = hidden_states.shape
+        recurrent_state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
+
+        mixed_qkv = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
+        if attention_mask is not None:  # 2D padding mask: padded positions write nothing and decay nothing
+            mixed_qkv = mixed_qkv * attention_mask[:, :, None].to(mixed_qkv.dtype)
+        if self.conv_kernel_size > 0:
+            mixed_qkv = self._short_conv(mixed_qkv, cache)
+        query, key, value = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        query = query.unflatten(-1, (self.num_heads, self.key_head_dim))  # [B, T, H, K]
+        key = key.unflatten(-1, (self.num_heads, self.key_head_dim))
+        value = value.unflatten(-1, (self.num_heads, self.value_head_dim))  # [B, T, H, V]
+        if self.config.use_qk_norm:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = l2_normalize(query), l2_normalize(key)
+
+        beta = self.b_proj(hidden_states).float().sigmoid()  # [B, T, H]
+        if self.allow_neg_eigval:
+            beta = beta * 2.0
+        log_decay = self._log_decay(hidden_states)
+        if attention_mask is not None:
+            keep = attention_mask[:, :, None].float()
+            beta = beta * keep
+            if log_decay is not None:
+                log_decay = log_decay * (keep if log_decay.dim() == 3 else keep[..., None])
+
+        kernel = recurrent_delta_rule if seq_len == 1 else chunk_delta_rule
+        extra = {} if seq_len == 1 else {"chunk_size": self.chunk_size}
+        output, final_state = kernel(query, key, value, beta, log_decay, initial_state=recurrent_state, **extra)
+        if cache is not None:
+            cache.update_recurrent_state(final_state, self.layer_idx)
+            # `has_previous_state` is only set by `update_conv_state`; without a conv we set it ourselves
+            cache.layers[self.layer_idx].has_previous_state[0] = True
+
+        output = self.o_norm(output)  # [B, T, H, V]
+        output = output.reshape(batch, seq_len, self.value_dim)
+        if self.config.linear_output_gate:
+            output = output * self.gate_act(self.g_proj(hidden_states))
+        return self.o_proj(output), None
+
+
+class DeltaSoftmaxAttention(nn.Module):
+    """Softmax attention with RoPE and GQA (Llama / Mistral / Qwen2 / Qwen3 weights fit)."""
+
+    def __init__(self, config: DeltaConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
+
+        hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=config.attention_out_bias)
+        if config.use_qk_norm:
+            self.q_norm = DeltaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = DeltaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape)
+        key_states = self.k_proj(hidden_states).view(hidden_shape)
+        if self.config.use_qk_norm:
+            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
+        query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            sliding_window=self.sliding_window,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+
+class DeltaDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: DeltaConfig, layer_idx: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type == "linear_attention":
+            self.self_attn = DeltaAttention(config, layer_idx)
+        else:
+            self.self_attn = DeltaSoftmaxAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = DeltaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = DeltaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        if self.layer_type == "linear_attention":
+            hidden_states, _ = self.self_attn(hidden_states, attention_mask=attention_mask, cache=cache, **kwargs)
+        else:
+            hidden_states, _ = self.self_attn(
+                hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, cache=cache,
+                **kwargs,
+            )
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + hidden_states
+
+
+class DeltaPreTrainedModel(PreTrainedModel):
+    config: DeltaConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DeltaDecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _is_stateful = True
+    _can_record_outputs = {"hidden_states": DeltaDecoderLayer, "attentions": DeltaSoftmaxAttention}
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, DeltaAttention):
+            if module.gate != "none":
+                # decay rate A ~ U(1, 16); dt ~ logU(1e-3, 1e-1) stored as its inverse softplus (Mamba2)
+                init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1, 16).log())
+                dt = torch.exp(torch.rand_like(module.dt_bias) * (torch.log(torch.tensor(0.1)) - torch.log(torch.tensor(1e-3)))
+                               + torch.log(torch.tensor(1e-3))).clamp(min=1e-4)
+                init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
+            if module.conv_kernel_size > 0:
+                # a short conv that starts by passing the current token through unchanged
+                weight = torch.zeros_like(module.conv1d.weight)
+                weight[..., -1] = 1.0
+                init.copy_(module.conv1d.weight, weight)
+        elif isinstance(module, DeltaHeadRMSNorm):
+            init.ones_(module.weight)
+
+
+class DeltaModel(DeltaPreTrainedModel):
+    def __init__(self, config: DeltaConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([DeltaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = DeltaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def _check_cache(self, cache: Cache) -> None:
+        layers = getattr(cache, "layers", None)
+        ok = layers is not None and len(layers) == self.config.num_hidden_layers and all(
+            isinstance(layer, LinearAttentionCacheLayerMixin) == (kind == "linear_attention")
+            for layer, kind in zip(layers, self.config.layer_types)
+        )
+        if not ok:
+            raise ValueError(
+                "The cache does not match this model's layer types; build it with `DynamicCache(config=model.config)` "
+                "or `StaticCache(config=model.config, max_cache_len=...)`, or let the model create it (`use_cache=True`)."
+            )
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if cache is not None:
+            self._check_cache(cache)
+
+        past_length = cached_length(cache)
+        if position_ids is None:
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_length
+            position_ids = position_ids.unsqueeze(0)
+
+        if not isinstance(mask_mapping := attention_mask, dict):
+            mask_kwargs = {
+                "config": self.config,
+                "inputs_embeds": inputs_embeds,
+                "attention_mask": attention_mask,
+                "cache": cache,
+                "position_ids": position_ids,
+            }
+            mask_mapping = {kind: MASK_FUNCTIONS[kind](**mask_kwargs) for kind in set(self.config.layer_types)}
+
+        hidden_states = inputs_embeds
+        position_embeddings = None
+        if any(kind != "linear_attention" for kind in self.config.layer_types):
+            position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states = decoder_layer(
+                hidden_states,
+                position_embeddings=position_embeddings,
+                attention_mask=mask_mapping[decoder_layer.layer_type],
+                cache=cache,
+                **kwargs,
+            )
+        hidden_states = self.norm(hidden_states)
+        if cache is not None and all(cache.is_linear):
+            cache.layers[0].delta_seen_tokens = past_length + inputs_embeds.shape[1]
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
+
+
+def cached_length(cache: Cache | None) -> int:
+    """Tokens already in `cache`. Works for all-delta caches too, where `Cache.get_seq_length` raises."""
+    if cache is None:
+        return 0
+    if not all(cache.is_linear):
+        return cache.get_seq_length()
+    first = cache.layers[0]
+    return getattr(first, "delta_seen_tokens", 0) if first.has_previous_state[0] else 0
+
+
+class DeltaForCausalLM(DeltaPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: DeltaConfig):
+        super().__init__(config)
+        self.model = DeltaModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, **kwargs):
+        # `generate` slices already-cached tokens off a continued prompt using `get_seq_length`, which an
+        # all-delta cache lacks; do the same slicing with our own count.
+        if next_sequence_length is None and cache is not None and all(cache.is_linear):
+            past = cached_length(cache)
+            mask = kwargs.get("attention_mask")
+            if past and input_ids.shape[1] > past and (mask is None or mask.shape[1] == input_ids.shape[1]):
+                next_sequence_length = input_ids.shape[1] - past
+        return super().prepare_inputs_for_generation(
+            input_ids, next_sequence_length=next_sequence_length, cache=cache, **kwargs
+        )
+
+
+DeltaModel.register_for_auto_class("AutoModel")
+DeltaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+__all__ = ["DeltaForCausalLM", "DeltaModel", "DeltaPreTrainedModel"]

@@ -1,0 +1,1 @@
+"""The `delta-attention` command line and the benchmarks."""
