@@ -1,0 +1,102 @@
+"""generate() on transformers' own caches: greedy, sampling, beam search, left padding, static cache, continuation."""
+
+import pytest
+import torch
+from transformers import DynamicCache, GenerationConfig
+
+from conftest import HYBRID_LAYERS, tiny_delta_model
+
+LAYOUTS = {"all_delta": ["linear_attention"] * 3, "hybrid": HYBRID_LAYERS}
+
+
+def build(layout, **overrides):
+    model = tiny_delta_model(
+        seed=7, num_hidden_layers=len(LAYOUTS[layout]), layer_types=LAYOUTS[layout], sliding_window=6, **overrides
+    )
+    # sharpen the random model so greedy choices are not near-ties between cached and uncached numerics
+    model.lm_head.weight.data *= 8
+    model.generation_config = GenerationConfig(pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    return model
+
+
+def prompt(batch=1, length=9, seed=0):
+    return torch.randint(3, 97, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("gate", ["scalar", "channel"])
+def test_greedy_with_cache_equals_recomputing_without(layout, gate):
+    model = build(layout, linear_gate=gate)
+    input_ids = prompt(batch=2)
+    cached = model.generate(input_ids, max_new_tokens=12, do_sample=False)
+    uncached = model.generate(input_ids, max_new_tokens=12, do_sample=False, use_cache=False)
+    assert cached.shape == (2, 21)
+    assert torch.equal(cached, uncached)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_beam_search_equals_its_no_cache_run(layout):
+    model = build(layout)
+    input_ids = prompt(batch=2, seed=1)
+    kwargs = dict(max_new_tokens=8, num_beams=3, do_sample=False, num_return_sequences=3, early_stopping=True)
+    cached = model.generate(input_ids, **kwargs)
+    uncached = model.generate(input_ids, use_cache=False, **kwargs)
+    assert cached.shape == (6, 17)
+    assert torch.equal(cached, uncached)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_left_padded_batch_matches_each_prompt_alone(layout):
+    model = build(layout)
+    prompts = [prompt(length=n, seed=n)[0] for n in (5, 11, 8)]
+    width = max(len(p) for p in prompts)
+    input_ids = torch.zeros(3, width, dtype=torch.long)
+    attention_mask = torch.zeros(3, width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        input_ids[row, width - len(p) :] = p
+        attention_mask[row, width - len(p) :] = 1
+    batched = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=10, do_sample=False)
+    for row, p in enumerate(prompts):
+        alone = model.generate(p[None], max_new_tokens=10, do_sample=False)
+        assert torch.equal(batched[row, width:], alone[0, len(p) :]), f"row {row}"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_static_cache_gives_the_same_tokens_as_dynamic(layout):
+    model = build(layout)
+    input_ids = prompt(batch=2, seed=3)
+    dynamic = model.generate(input_ids, max_new_tokens=10, do_sample=False)
+    static = model.generate(input_ids, max_new_tokens=10, do_sample=False, cache_implementation="static")
+    assert torch.equal(dynamic, static)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_continuing_from_a_returned_cache(layout):
+    model = build(layout)
+    input_ids = prompt(seed=4)
+    straight = model.generate(input_ids, max_new_tokens=12, do_sample=False)
+    first = model.generate(input_ids, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    # pass the whole sequence so far with the cache: generate feeds only the tokens the cache has not seen
+    continued = model.generate(first.sequences, cache=first.cache, max_new_tokens=7, do_sample=False)
+    assert torch.equal(continued, straight)
+
+
+def test_sampling_is_reproducible_and_uses_the_cache():
+    model = build("hybrid")
+    input_ids = prompt(batch=2, seed=5)
+    torch.manual_seed(11)
+    first = model.generate(input_ids, max_new_tokens=10, do_sample=True, top_k=20, temperature=0.9)
+    torch.manual_seed(11)
+    again = model.generate(input_ids, max_new_tokens=10, do_sample=True, top_k=20, temperature=0.9)
+    torch.manual_seed(11)
+    uncached = model.generate(input_ids, max_new_tokens=10, do_sample=True, top_k=20, temperature=0.9, use_cache=False)
+    assert torch.equal(first, again) and torch.equal(first, uncached)
+
+
+def test_generate_with_an_explicit_dynamic_cache():
+    model = build("all_delta")
+    input_ids = prompt(seed=6)
+    cache = DynamicCache(config=model.config)
+    out = model.generate(input_ids, cache=cache, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, model.generate(input_ids, max_new_tokens=4, do_sample=False))
+    assert cache.layers[0].recurrent_states[0].shape == (1, 4, 16, 16)

@@ -1,0 +1,107 @@
+"""Saving writes safetensors, the model code and a complete auto_map; a fresh process without the package loads it."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+import delta_attention  # noqa: F401  (registers the Auto classes)
+from conftest import HYBRID_LAYERS, tiny_delta_model
+
+# Runs in a fresh interpreter in which `delta_attention` cannot be imported, with the Hub offline.
+LOADER = textwrap.dedent(
+    """
+    import importlib.abc, json, sys
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "delta_attention" or name.startswith("delta_attention."):
+                raise ImportError("delta_attention is blocked in this process")
+    sys.meta_path.insert(0, Block())
+    try:
+        import delta_attention
+        raise SystemExit("delta_attention was importable")
+    except ImportError:
+        pass
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+    folder, ids = sys.argv[1], json.loads(sys.argv[2])
+    input_ids = torch.tensor(ids)
+    lm = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    base = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
+    assert "delta_attention" not in type(lm).__module__, type(lm).__module__
+    with torch.no_grad():
+        logits = lm(input_ids).logits
+        hidden = base(input_ids).last_hidden_state
+    torch.save({"logits": logits, "hidden": hidden, "classes": [type(lm).__name__, type(base).__name__]}, sys.argv[3])
+    """
+)
+
+
+def run_isolated(*args):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    return subprocess.run([sys.executable, "-c", LOADER, *map(str, args)], env=env, capture_output=True, text=True,
+                          cwd=os.path.dirname(str(args[0])))
+
+
+@pytest.mark.parametrize("gate", ["scalar", "channel"])
+def test_save_then_load_in_a_fresh_process_without_the_package(tmp_path, gate):
+    model = tiny_delta_model(num_hidden_layers=4, layer_types=HYBRID_LAYERS, sliding_window=6, linear_gate=gate)
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+
+    files = set(os.listdir(folder))
+    assert {"config.json", "model.safetensors", "modeling_delta.py", "configuration_delta.py", "delta_rule.py"} <= files
+    assert not any(name.endswith((".bin", ".pt", ".pth")) for name in files)
+    auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
+    assert auto_map == {
+        "AutoConfig": "configuration_delta.DeltaConfig",
+        "AutoModel": "modeling_delta.DeltaModel",
+        "AutoModelForCausalLM": "modeling_delta.DeltaForCausalLM",
+    }
+
+    input_ids = [[5, 9, 17, 33, 2, 41, 8, 8, 60]]
+    result = run_isolated(folder, json.dumps(input_ids), tmp_path / "out.pt")
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = torch.load(tmp_path / "out.pt")
+    assert out["classes"] == ["DeltaForCausalLM", "DeltaModel"]
+    with torch.no_grad():
+        logits = model(torch.tensor(input_ids)).logits
+        hidden = model.model(torch.tensor(input_ids)).last_hidden_state
+    assert torch.equal(out["logits"], logits)
+    assert torch.equal(out["hidden"], hidden)
+
+
+def test_reload_with_the_package_uses_the_registered_classes(tmp_path):
+    model = tiny_delta_model(linear_gate="none")
+    model.save_pretrained(tmp_path)
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert type(config) is delta_attention.DeltaConfig
+    again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    base = AutoModel.from_pretrained(tmp_path)
+    assert type(again) is delta_attention.DeltaForCausalLM and type(base) is delta_attention.DeltaModel
+    input_ids = torch.tensor([[4, 5, 6, 7]])
+    with torch.no_grad():
+        assert torch.equal(again(input_ids).logits, model(input_ids).logits)
+
+
+def test_without_trust_remote_code_the_error_says_what_to_do(tmp_path):
+    tiny_delta_model().save_pretrained(tmp_path)
+    script = textwrap.dedent(
+        """
+        import sys
+        from transformers import AutoModelForCausalLM
+        try:
+            AutoModelForCausalLM.from_pretrained(sys.argv[1])
+        except Exception as error:
+            print(type(error).__name__, error)
+        """
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True)
+    assert "trust_remote_code=True" in result.stdout, result.stdout + result.stderr
