@@ -1,16 +1,18 @@
 """The `delta-attention` console command: one command, one subcommand per job.
 
-Each subcommand lives in its own module under `delta_attention.scripts`, which defines an options dataclass
-(`Options`) and `run(options)`. Options come from flags (`--name value`) or from one YAML file
+Each subcommand lives in its own module under `delta_attention.scripts`, which defines its options
+dataclass `Options` (or a tuple of dataclasses) and `run(*options)`. Options come from flags (`--name value`) or from one YAML file
 (`delta-attention convert config.yaml`), read by `transformers.HfArgumentParser`. A field whose metadata has
 `"positional": True` may also be given as the first bare argument (`delta-attention convert SOURCE ...`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import sys
+import types
 
 SUBCOMMANDS = {
     "assets": ("delta_attention.scripts.assets", "fetch the offline model and text corpora into the cache folder"),
@@ -37,19 +39,33 @@ def _available(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def parse_options(options_class, argv: list[str], prog: str):
-    """Parse `argv` into `options_class`: flags, one YAML/JSON file, or a leading positional argument."""
+def _argument_parser(classes: tuple, prog: str):
     from transformers import HfArgumentParser
 
-    parser = HfArgumentParser(options_class, prog=prog)
+    class Parser(HfArgumentParser):
+        @staticmethod
+        def _parse_dataclass_field(parser, field):
+            # our own metadata key is not an argparse keyword
+            if "positional" in field.metadata:
+                field = copy.copy(field)
+                field.metadata = types.MappingProxyType({k: v for k, v in field.metadata.items() if k != "positional"})
+            HfArgumentParser._parse_dataclass_field(parser, field)
+
+    return Parser(classes, prog=prog)
+
+
+def parse_options(options_classes, argv: list[str], prog: str) -> tuple:
+    """Parse `argv` into the dataclass(es): flags, one YAML/JSON file, or a leading positional argument."""
+    classes = options_classes if isinstance(options_classes, tuple) else (options_classes,)
+    parser = _argument_parser(classes, prog)
     if len(argv) == 1 and argv[0].endswith((".yaml", ".yml")):
-        return parser.parse_yaml_file(argv[0])[0]
+        return tuple(parser.parse_yaml_file(argv[0]))
     if len(argv) == 1 and argv[0].endswith(".json"):
-        return parser.parse_json_file(argv[0])[0]
-    positional = [f for f in dataclasses.fields(options_class) if f.metadata.get("positional")]
+        return tuple(parser.parse_json_file(argv[0]))
+    positional = [f for cls in classes for f in dataclasses.fields(cls) if f.metadata.get("positional")]
     if argv and not argv[0].startswith("-") and positional:
         argv = [f"--{positional[0].name}", argv[0], *argv[1:]]
-    return parser.parse_args_into_dataclasses(args=argv)[0]
+    return tuple(parser.parse_args_into_dataclasses(args=argv))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(SUBCOMMANDS[name][0])
     options = parse_options(module.Options, rest, prog=f"delta-attention {name}")
     try:
-        result = module.run(options)
+        result = module.run(*options)
     except (ValueError, FileNotFoundError, FileExistsError) as error:
         # user errors: one clear line, no traceback
         print(f"delta-attention {name}: error: {error}", file=sys.stderr)

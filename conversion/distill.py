@@ -1,0 +1,131 @@
+"""Distilling a converted delta model from its teacher, in two resumable stages on the shared training loop.
+
+1. Attention transfer: one teacher forward per batch gives every converted layer its input hidden states and
+   the teacher's attention output; each converted layer is trained by relative MSE against it. Only the
+   delta layers' new parameters train (or all their parameters, `stage1_params="mixer"`); nothing per token
+   is stored beyond the batch.
+2. Logit distillation: KL(teacher || student) at a temperature (optionally plus cross-entropy), LoRA (PEFT)
+   on the copied projections and the small new parameters (gates, beta, decay, conv, norms) in full at
+   their own learning rate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention_transfer import collect_teacher_activations, new_parameters
+from .text_windows import perplexity
+
+DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj"
+
+
+def delta_layer_indices(student) -> list[int]:
+    """Indices of the student's delta (linear_attention) layers."""
+    return [i for i, kind in enumerate(student.config.layer_types) if kind == "linear_attention"]
+
+
+def stage1_parameters(student, layers: list[int], which: str = "new") -> list[nn.Parameter]:
+    """Parameters stage 1 trains: the delta layers' new parameters ("new") or all their parameters ("mixer")."""
+    if which not in ("new", "mixer"):
+        raise ValueError(f"stage1_params must be 'new' or 'mixer', got {which!r}")
+    mixers = [student.model.layers[i].self_attn for i in layers]
+    if which == "new":
+        return [p for attn in mixers for p in new_parameters(attn)]
+    return [p for attn in mixers for p in attn.parameters()]
+
+
+class AttentionTransfer(nn.Module):
+    """Stage-1 objective as a module (so DDP wraps exactly what trains): mean relative MSE over delta layers.
+
+    The teacher is held outside the module tree: frozen, never wrapped, never checkpointed.
+    """
+
+    def __init__(self, teacher: nn.Module, student: nn.Module, layers: list[int]):
+        super().__init__()
+        self.layers = list(layers)
+        self.mixers = nn.ModuleDict({str(i): student.model.layers[i].self_attn for i in self.layers})
+        object.__setattr__(self, "teacher", teacher)
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        activations = collect_teacher_activations(
+            self.teacher, input_ids, self.layers, batch_size=len(input_ids), progress=False
+        )
+        device = input_ids.device
+        errors = {}
+        for i in self.layers:
+            inputs, targets = activations[i].inputs.to(device), activations[i].outputs.to(device).float()
+            output = self.mixers[str(i)](inputs)[0].float()
+            errors[i] = (output - targets).pow(2).sum() / targets.pow(2).sum().clamp(min=1e-12)
+        loss = torch.stack(list(errors.values())).mean()
+        worst = max(errors, key=lambda i: errors[i].item())
+        return loss, {"worst_layer": worst, "worst_layer_mse": errors[worst].item()}
+
+
+def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Mean per-token KL(teacher || student) of the softened distributions, times T^2 (Hinton et al.)."""
+    teacher_logp = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    student_logp = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    kl = F.kl_div(student_logp.flatten(0, -2), teacher_logp.flatten(0, -2), log_target=True, reduction="batchmean")
+    return kl * temperature**2
+
+
+class LogitDistillation(nn.Module):
+    """Stage-2 objective as a module: KL(teacher || student) at `temperature`, plus `ce_weight` x cross-entropy."""
+
+    def __init__(self, teacher: nn.Module, student: nn.Module, temperature: float = 1.0, ce_weight: float = 0.0):
+        super().__init__()
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.student, self.temperature, self.ce_weight = student, temperature, ce_weight
+        object.__setattr__(self, "teacher", teacher)
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        with torch.no_grad():
+            teacher_logits = self.teacher(input_ids=input_ids, use_cache=False).logits
+        student_logits = self.student(input_ids=input_ids, use_cache=False).logits
+        kl = distillation_kl(student_logits, teacher_logits, self.temperature)
+        metrics = {"kl": kl.item()}
+        loss = kl
+        if self.ce_weight:
+            ce = F.cross_entropy(student_logits[:, :-1].float().flatten(0, 1), input_ids[:, 1:].flatten())
+            loss = loss + self.ce_weight * ce
+            metrics["ce"] = ce.item()
+        return loss, metrics
+
+
+def add_lora(student, target_modules: str | list[str], r: int, alpha: int, dropout: float):
+    """Wrap `student` with PEFT LoRA on `target_modules`; also unfreezes the delta layers' new parameters.
+
+    Returns `(peft_model, new_params)`; `new_params` are the small new parameters trained in full.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    targets = [t.strip() for t in target_modules.split(",")] if isinstance(target_modules, str) else target_modules
+    if targets == ["all-linear"]:
+        targets = "all-linear"
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
+    model = get_peft_model(student, config)
+    base = model.get_base_model()
+    new_params = [p for i in delta_layer_indices(base) for p in new_parameters(base.model.layers[i].self_attn)]
+    for p in new_params:
+        p.requires_grad_(True)
+    return model, new_params
+
+
+@dataclasses.dataclass
+class HeldoutEvaluator:
+    """Held-out perplexity of a model on fixed windows (callable as the training loop's `evaluate`)."""
+
+    windows: torch.Tensor
+    batch_size: int = 2
+
+    def __call__(self, model) -> dict:
+        return {"heldout_ppl": perplexity(model, self.windows, batch_size=self.batch_size)}
+
+
+def freeze_all(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.requires_grad_(False)

@@ -1,0 +1,262 @@
+"""`distill`: the two-stage recipe from a converted folder to a distilled model, resumable stage by stage.
+
+Folder layout of a run (`output_dir`):
+    stage1/checkpoints/, stage1/metrics.jsonl, stage1/model/     attention transfer and its result
+    stage2/checkpoints/, stage2/metrics.jsonl                    logit distillation with LoRA
+    model/ (merged, default) or adapter/                         the result, with an updated model card
+    results.json, metrics.png                                    evaluation table and curves
+Every model folder is written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from .distill import (
+    DEFAULT_LORA_TARGETS,
+    AttentionTransfer,
+    HeldoutEvaluator,
+    LogitDistillation,
+    add_lora,
+    delta_layer_indices,
+    freeze_all,
+    stage1_parameters,
+)
+from .metrics import plot_metrics
+from .text_data import DataOptions, training_blocks
+from .text_windows import perplexity, token_windows
+from .training import TrainingOptions, run_training
+
+SOURCE_ATTRIBUTE = "conversion_source"  # config attribute in which `convert` records the teacher
+
+
+@dataclasses.dataclass
+class DistillOptions:
+    """What to distill and the recipe of each stage."""
+
+    student: str = dataclasses.field(
+        default=None, metadata={"help": "converted model folder (output of `convert`)", "positional": True}
+    )
+    teacher: str | None = dataclasses.field(
+        default=None, metadata={"help": "the source model (Hub id, folder or .gguf); default: the one convert recorded"}
+    )
+    output_dir: str = dataclasses.field(default="distilled", metadata={"help": "run folder"})
+    overwrite: bool = dataclasses.field(default=False, metadata={"help": "replace an existing output_dir"})
+    stages: str = dataclasses.field(default="1,2", metadata={"help": "stages to run: 1, 2 or 1,2"})
+    stage1_tokens: int = dataclasses.field(default=200_000, metadata={"help": "token budget of attention transfer"})
+    stage1_lr: float = dataclasses.field(default=3e-3, metadata={"help": "learning rate of stage 1"})
+    stage1_params: str = dataclasses.field(
+        default="new", metadata={"help": "new: only the new delta parameters; mixer: the whole delta layers"}
+    )
+    stage2_tokens: int = dataclasses.field(default=200_000, metadata={"help": "token budget of logit distillation"})
+    stage2_lr: float = dataclasses.field(default=3e-4, metadata={"help": "learning rate of the LoRA weights"})
+    stage2_new_params_lr: float = dataclasses.field(
+        default=1e-3, metadata={"help": "learning rate of the new delta parameters in stage 2"}
+    )
+    lora_r: int = dataclasses.field(default=16, metadata={"help": "LoRA rank"})
+    lora_alpha: int = dataclasses.field(default=32, metadata={"help": "LoRA alpha"})
+    lora_dropout: float = dataclasses.field(default=0.0, metadata={"help": "LoRA dropout"})
+    lora_target_modules: str = dataclasses.field(
+        default=DEFAULT_LORA_TARGETS, metadata={"help": "comma-separated module names, or all-linear"}
+    )
+    temperature: float = dataclasses.field(default=1.0, metadata={"help": "distillation temperature"})
+    ce_weight: float = dataclasses.field(default=0.0, metadata={"help": "weight of a cross-entropy term in stage 2"})
+    output: str = dataclasses.field(
+        default="merged", metadata={"help": "merged: the merged model; adapter: the LoRA adapter over stage1/model"}
+    )
+    eval_tokens: int = dataclasses.field(default=16_384, metadata={"help": "held-out tokens for perplexity (0 = none)"})
+    eval_seq_len: int | None = dataclasses.field(default=None, metadata={"help": "evaluation window (default seq_len)"})
+
+
+def _atomic_save(save, folder: Path) -> Path:
+    """Run `save(tmp_folder)` and rename the folder into place only when it completed."""
+    partial = folder.with_name(f".partial-{folder.name}")
+    shutil.rmtree(partial, ignore_errors=True)
+    save(partial)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(partial, folder)
+    return folder
+
+
+def _parse_stages(text: str) -> set[int]:
+    stages = {int(s) for s in text.replace(" ", "").split(",") if s}
+    if not stages or not stages <= {1, 2}:
+        raise ValueError(f"--stages must name stages 1 and/or 2 (e.g. 1,2), got {text!r}")
+    return stages
+
+
+def _check_options(options: DistillOptions) -> None:
+    if not options.student:
+        raise ValueError("give the converted model folder: delta-attention distill STUDENT_DIR --output_dir OUT")
+    if not Path(options.student).is_dir():
+        raise FileNotFoundError(f"{options.student}: no such model folder (convert a model first)")
+    if options.output not in ("merged", "adapter"):
+        raise ValueError(f"--output must be 'merged' or 'adapter', got {options.output!r}")
+
+
+def _load_student(folder: str):
+    from transformers import AutoModelForCausalLM
+
+    import delta_attention  # noqa: F401  (registers the Auto classes)
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if getattr(model.config, "model_type", None) != "delta":
+        raise ValueError(f"{folder} holds a {model.config.model_type!r} model; distill expects a converted delta model")
+    if not delta_layer_indices(model):
+        raise ValueError(f"{folder} has no delta layers to distill (every layer is softmax attention)")
+    return model
+
+
+def _load_teacher(options: DistillOptions, student):
+    from .sources import load_source
+
+    spec = options.teacher or getattr(student.config, SOURCE_ATTRIBUTE, None)
+    if not spec:
+        raise ValueError(f"{options.student} does not record its source model; pass --teacher SOURCE")
+    source = load_source(spec)
+    teacher = source.model.float().eval()
+    freeze_all(teacher)
+    return teacher, source.tokenizer
+
+
+def _load_tokenizer(folder: str, fallback):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError):
+        if fallback is None:
+            raise ValueError(f"{folder} has no tokenizer and the teacher has none either") from None
+        return fallback
+
+
+def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOptions) -> dict:
+    """Run the stages asked for; returns the evaluation results (also written to `output_dir/results.json`)."""
+    _check_options(options)
+    stages = _parse_stages(options.stages)
+    out = Path(options.output_dir)
+    if out.exists() and any(out.iterdir()) and not (training.resume or options.overwrite):
+        raise FileExistsError(f"{out} already exists; pass --resume to continue that run or --overwrite to replace it")
+    if options.overwrite and not training.resume:
+        shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(data.seed)
+
+    student = _load_student(options.student)
+    teacher, teacher_tokenizer = _load_teacher(options, student)
+    tokenizer = _load_tokenizer(options.student, teacher_tokenizer)
+    blocks = training_blocks(data, tokenizer)
+    blocks = blocks["input_ids"] if not data.streaming else blocks
+
+    results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
+    evaluate = None
+    if options.eval_tokens:
+        from .assets import heldout_texts
+
+        seq = options.eval_seq_len or data.seq_len
+        windows = token_windows(tokenizer, heldout_texts(), seq, max(1, options.eval_tokens // seq))
+        evaluate = HeldoutEvaluator(windows)
+        if "teacher_ppl" not in results:
+            results["teacher_ppl"] = perplexity(teacher, windows, desc="teacher perplexity")
+            results["converted_ppl"] = perplexity(student, windows, desc="untrained student perplexity")
+    layers = delta_layer_indices(student)
+    results.update(recipe={"stages": sorted(stages), "seq_len": data.seq_len, "dataset": data.dataset,
+                           "batch_size": training.batch_size, "mixed_precision": training.mixed_precision})
+
+    stage1_model = out / "stage1" / "model"
+    if 1 in stages:
+        if stage1_model.is_dir():
+            print(f"stage 1 already complete in {stage1_model}; loading it")
+            student = _load_student(str(stage1_model))
+        else:
+            freeze_all(student)
+            params = stage1_parameters(student, layers, options.stage1_params)
+            for p in params:
+                p.requires_grad_(True)
+            objective = AttentionTransfer(teacher, student, layers)
+            started = time.perf_counter()
+            result = run_training(
+                objective, lambda module, ids: module(ids), [{"params": params, "lr": options.stage1_lr}], blocks,
+                training, out / "stage1", options.stage1_tokens, seed=data.seed,
+                evaluate=(lambda _: evaluate(student)) if evaluate else None, description="stage 1 (attention transfer)",
+            )
+            results["stage1"] = {"tokens": result.tokens, "seconds": time.perf_counter() - started,
+                                 "tokens_per_s": result.tokens / max(result.seconds, 1e-9), "final_mse": result.final_loss,
+                                 "lr": options.stage1_lr, "params": options.stage1_params,
+                                 "heldout_ppl": result.evaluations[-1]["heldout_ppl"] if result.evaluations else None}
+            _atomic_save(lambda folder: _save_model(student, tokenizer, folder), stage1_model)
+        _write_results(out, results)
+
+    if 2 in stages:
+        peft_model, new_params = add_lora(
+            student, options.lora_target_modules, options.lora_r, options.lora_alpha, options.lora_dropout
+        )
+        lora_params = [p for n, p in peft_model.named_parameters() if "lora_" in n]
+        groups = [{"params": lora_params, "lr": options.stage2_lr}]
+        if options.output == "merged":
+            groups.append({"params": new_params, "lr": options.stage2_new_params_lr})
+        else:  # an adapter carries only LoRA weights: keep the new parameters as stage 1 left them
+            for p in new_params:
+                p.requires_grad_(False)
+        objective = LogitDistillation(teacher, peft_model, options.temperature, options.ce_weight)
+        started = time.perf_counter()
+        result = run_training(
+            objective, lambda module, ids: module(ids), groups, blocks, training, out / "stage2", options.stage2_tokens,
+            seed=data.seed + 1,
+            evaluate=(lambda _: evaluate(peft_model)) if evaluate else None, description="stage 2 (logit distillation)",
+        )
+        results["stage2"] = {"tokens": result.tokens, "seconds": time.perf_counter() - started,
+                             "tokens_per_s": result.tokens / max(result.seconds, 1e-9), "final_loss": result.final_loss,
+                             "lr": options.stage2_lr, "new_params_lr": options.stage2_new_params_lr,
+                             "lora": {"r": options.lora_r, "alpha": options.lora_alpha,
+                                      "dropout": options.lora_dropout, "target_modules": options.lora_target_modules},
+                             "temperature": options.temperature, "ce_weight": options.ce_weight,
+                             "heldout_ppl": result.evaluations[-1]["heldout_ppl"] if result.evaluations else None}
+        if options.output == "merged":
+            merged = peft_model.merge_and_unload()
+            _atomic_save(lambda folder: _save_model(merged, tokenizer, folder), out / "model")
+        else:
+            _atomic_save(peft_model.save_pretrained, out / "adapter")
+        _write_results(out, results)
+
+    runs = {f"stage {s}": out / f"stage{s}" / "metrics.jsonl" for s in (1, 2) if (out / f"stage{s}" / "metrics.jsonl").exists()}
+    if runs:
+        plot_metrics(runs, out / "metrics.png", title=f"distilling {Path(options.student).name}")
+    print(results_table(results))
+    return results
+
+
+def _save_model(model, tokenizer, folder: Path) -> None:
+    model.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+
+
+def _write_results(out: Path, results: dict) -> None:
+    partial = out / ".results.json.partial"
+    partial.write_text(json.dumps(results, indent=1))
+    os.replace(partial, out / "results.json")
+
+
+def results_table(results: dict) -> str:
+    """Markdown table: teacher vs student held-out perplexity after each step of the recipe."""
+    teacher = results.get("teacher_ppl")
+    rows = [("teacher", teacher), ("converted, untrained", results.get("converted_ppl"))]
+    for stage in ("stage1", "stage2"):
+        if stage in results:
+            rows.append((f"after {stage.replace('stage', 'stage ')} ({results[stage]['tokens']:,} tokens)",
+                         results[stage].get("heldout_ppl")))
+    lines = ["| model | held-out perplexity | vs teacher |", "|---|---|---|"]
+    for name, ppl in rows:
+        if ppl is None:
+            continue
+        ratio = f"{ppl / teacher:.2f}x" if teacher else "-"
+        lines.append(f"| {name} | {ppl:.2f} | {ratio} |")
+    return "\n".join(lines)

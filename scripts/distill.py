@@ -1,0 +1,25 @@
+"""`delta-attention distill STUDENT --output_dir OUT [...]`: attention transfer, then KL distillation with LoRA.
+
+Runs on accelerate: `accelerate launch -m delta_attention.scripts.distill ...` for several processes.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from delta_attention.conversion.distill_pipeline import DistillOptions, run_distill
+from delta_attention.conversion.text_data import DataOptions
+from delta_attention.conversion.training import TrainingOptions
+
+Options = (DistillOptions, DataOptions, TrainingOptions)
+
+
+def run(options: DistillOptions, data: DataOptions, training: TrainingOptions) -> int:
+    run_distill(options, data, training)
+    return 0
+
+
+if __name__ == "__main__":
+    from delta_attention.scripts.cli import main
+
+    sys.exit(main(["distill", *sys.argv[1:]]))
