@@ -34,6 +34,11 @@ class DataOptions:
     seed: int = dataclasses.field(default=0, metadata={"help": "seed of the block order"})
 
 
+def _looks_like_hub_name(source: str) -> bool:
+    name = source.partition(":")[0]
+    return name.count("/") <= 1 and not name.startswith((".", "/", "~")) and Path(name).suffix not in LOCAL_BUILDERS
+
+
 def load_texts(source: str, split: str = "train", text_column: str = "text", streaming: bool = False):
     """A `datasets.Dataset` (or `IterableDataset` when streaming) with one column `text`."""
     if source.startswith("builtin:"):
@@ -60,7 +65,7 @@ def load_texts(source: str, split: str = "train", text_column: str = "text", str
         dataset = datasets.load_dataset(
             builder, data_files=[str(p) for p in files], split="train", streaming=streaming, **options
         )
-    elif "/" in source or ":" in source:
+    elif _looks_like_hub_name(source):
         name, _, config = source.partition(":")
         dataset = datasets.load_dataset(name, config or None, split=split, streaming=streaming)
     else:
@@ -100,7 +105,10 @@ def pack_blocks(texts, tokenizer, seq_len: int):
 
 
 def training_blocks(options: DataOptions, tokenizer):
-    """Blocks for training, in a fixed order given by `options.seed`."""
+    """Blocks for training: a `[N, seq_len]` LongTensor (the training loop draws them in a seeded order), or,
+    when streaming, an `IterableDataset` shuffled through a buffer with `options.seed`."""
+    import torch
+
     if options.dataset == "builtin:heldout":
         raise ValueError("builtin:heldout is the evaluation split; train on builtin:train or your own data")
     texts = load_texts(options.dataset, options.dataset_split, options.text_column, options.streaming)
@@ -109,15 +117,4 @@ def training_blocks(options: DataOptions, tokenizer):
         return blocks.shuffle(seed=options.seed, buffer_size=options.shuffle_buffer)
     if len(blocks) == 0:
         raise ValueError(f"{options.dataset}: not enough text for one block of {options.seq_len} tokens")
-    return blocks.shuffle(seed=options.seed).with_format("torch")
-
-
-def heldout_blocks(tokenizer, seq_len: int, max_tokens: int | None = None, source: str = "builtin:heldout"):
-    """Evaluation blocks (no shuffling): the first `max_tokens` tokens of the held-out text, as a LongTensor."""
-    import torch
-
-    blocks = pack_blocks(load_texts(source), tokenizer, seq_len)
-    count = len(blocks) if max_tokens is None else min(len(blocks), max(1, max_tokens // seq_len))
-    if count == 0:
-        raise ValueError(f"{source}: not enough text for one block of {seq_len} tokens")
-    return torch.tensor(blocks[:count]["input_ids"])
+    return torch.tensor(blocks["input_ids"][:], dtype=torch.long)
