@@ -30,6 +30,7 @@ from .distill import (
     stage1_parameters,
 )
 from .metrics import plot_metrics
+from .saving import atomic_save, save_model_and_tokenizer
 from .text_data import DataOptions, training_blocks
 from .text_windows import perplexity, token_windows
 from .training import TrainingOptions, run_training
@@ -73,16 +74,6 @@ class DistillOptions:
     )
     eval_tokens: int = dataclasses.field(default=16_384, metadata={"help": "held-out tokens for perplexity (0 = none)"})
     eval_seq_len: int | None = dataclasses.field(default=None, metadata={"help": "evaluation window (default seq_len)"})
-
-
-def _atomic_save(save, folder: Path) -> Path:
-    """Run `save(tmp_folder)` and rename the folder into place only when it completed."""
-    partial = folder.with_name(f".partial-{folder.name}")
-    shutil.rmtree(partial, ignore_errors=True)
-    save(partial)
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(partial, folder)
-    return folder
 
 
 def _parse_stages(text: str) -> set[int]:
@@ -191,7 +182,7 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
                                  "tokens_per_s": result.tokens / max(result.seconds, 1e-9), "final_mse": result.final_loss,
                                  "lr": options.stage1_lr, "params": options.stage1_params,
                                  "heldout_ppl": result.evaluations[-1]["heldout_ppl"] if result.evaluations else None}
-            _atomic_save(lambda folder: _save_model(student, tokenizer, folder), stage1_model)
+            atomic_save(lambda folder: save_model_and_tokenizer(student, tokenizer, folder), stage1_model)
         _write_results(out, results)
 
     if 2 in stages:
@@ -221,9 +212,9 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
                              "heldout_ppl": result.evaluations[-1]["heldout_ppl"] if result.evaluations else None}
         if options.output == "merged":
             merged = peft_model.merge_and_unload()
-            _atomic_save(lambda folder: _save_model(merged, tokenizer, folder), out / "model")
+            atomic_save(lambda folder: save_model_and_tokenizer(merged, tokenizer, folder), out / "model")
         else:
-            _atomic_save(peft_model.save_pretrained, out / "adapter")
+            atomic_save(peft_model.save_pretrained, out / "adapter")
         _write_results(out, results)
 
     runs = {f"stage {s}": out / f"stage{s}" / "metrics.jsonl" for s in (1, 2) if (out / f"stage{s}" / "metrics.jsonl").exists()}
@@ -231,12 +222,6 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
         plot_metrics(runs, out / "metrics.png", title=f"distilling {Path(options.student).name}")
     print(results_table(results))
     return results
-
-
-def _save_model(model, tokenizer, folder: Path) -> None:
-    model.save_pretrained(folder)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
 
 
 def _write_results(out: Path, results: dict) -> None:

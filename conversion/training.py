@@ -72,12 +72,24 @@ def data_order(num_blocks: int, seed: int, start: int) -> Iterator[int]:
         epoch, offset = epoch + 1, 0
 
 
-def _micro_batches(blocks, batch: int, seed: int, start_block: int) -> Iterator[torch.Tensor]:
-    if isinstance(blocks, torch.Tensor):
-        order = data_order(len(blocks), seed, start_block)
+def _map_batch(batch, fn):
+    """Apply `fn` to a batch that is a tensor or a dict of tensors."""
+    return {key: fn(value) for key, value in batch.items()} if isinstance(batch, dict) else fn(batch)
+
+
+def _micro_batches(blocks, batch: int, seed: int, start_block: int) -> Iterator:
+    """Micro-batches from position `start_block` of the seeded order.
+
+    `blocks` is a `[N, L]` tensor, a dict of such tensors (e.g. input_ids and labels), or an iterable of
+    dicts with `input_ids` (a streaming dataset, read in its own order, skipping what was consumed).
+    """
+    if isinstance(blocks, (torch.Tensor, dict)):
+        first = blocks if isinstance(blocks, torch.Tensor) else next(iter(blocks.values()))
+        order = data_order(len(first), seed, start_block)
         while True:
-            yield blocks[[next(order) for _ in range(batch)]]
-    else:  # an iterable of dicts with `input_ids` (e.g. a streaming dataset): skip what was consumed
+            index = [next(order) for _ in range(batch)]
+            yield _map_batch(blocks, lambda tensor: tensor[index])
+    else:
         def rows():
             while True:
                 for row in blocks:
@@ -92,7 +104,7 @@ def _micro_batches(blocks, batch: int, seed: int, start_block: int) -> Iterator[
 
 def run_training(
     model: torch.nn.Module,
-    compute_loss: Callable[[torch.nn.Module, torch.Tensor], tuple[torch.Tensor, dict]],
+    compute_loss: Callable[[torch.nn.Module, torch.Tensor | dict], tuple[torch.Tensor, dict]],
     parameter_groups: list[dict],
     blocks,
     options: TrainingOptions,
@@ -103,9 +115,11 @@ def run_training(
     step_callback: Callable[[int], None] | None = None,
     description: str = "training",
 ) -> TrainingResult:
-    """Train `model` on `blocks` ([N, seq_len] LongTensor or an iterable of {"input_ids"}) for `max_tokens`.
+    """Train `model` on `blocks` for `max_tokens` tokens.
 
-    `compute_loss(model, input_ids)` returns `(loss, metrics)`. `parameter_groups` are AdamW groups, each with
+    `blocks` is an `[N, seq_len]` LongTensor of token ids, a dict of such tensors (`input_ids`, `labels`,
+    `attention_mask`, ...), or an iterable of `{"input_ids": ...}` rows (streaming).
+    `compute_loss(model, batch)` returns `(loss, metrics)`, `batch` being a slice of `blocks`. `parameter_groups` are AdamW groups, each with
     its peak learning rate (`{"params": [...], "lr": ...}`); only their parameters train and are
     checkpointed. Checkpoints go to `output_dir/checkpoints`, metrics to `output_dir/metrics.jsonl`. With
     `options.resume`, training continues from the latest checkpoint there if one exists.
@@ -128,9 +142,8 @@ def run_training(
             f"batch_size ({options.batch_size}) must be divisible by gradient_accumulation_steps "
             f"({options.gradient_accumulation_steps}) times the number of processes ({world})"
         )
-    seq_len = int(blocks.shape[1]) if isinstance(blocks, torch.Tensor) else None
     first = next(_micro_batches(blocks, 1, seed, 0))
-    seq_len = seq_len or int(first.shape[1])
+    seq_len = int((first["input_ids"] if isinstance(first, dict) else first).shape[1])
     tokens_per_step = options.batch_size * seq_len
     total_steps = max(1, max_tokens // tokens_per_step)
 
@@ -182,9 +195,9 @@ def run_training(
     while step < total_steps:
         losses = []
         for _ in range(options.gradient_accumulation_steps):
-            input_ids = next(batches)[rank_slice].to(accelerator.device)
+            batch = _map_batch(next(batches), lambda tensor: tensor[rank_slice].to(accelerator.device))
             with accelerator.accumulate(model), accelerator.autocast():
-                loss, extra = compute_loss(model, input_ids)
+                loss, extra = compute_loss(model, batch)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and options.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), options.max_grad_norm)

@@ -37,6 +37,28 @@ def tiny_delta_model(seed: int = 0, **overrides) -> DeltaForCausalLM:
     return DeltaForCausalLM(tiny_delta_config(**overrides)).eval()
 
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} <eos> {% endfor %}"
+    "{% if add_generation_prompt %}<assistant> {% endif %}"
+)
+
+
+def tiny_tokenizer():
+    """A whitespace word-level tokenizer over `w0`..`w89` with a chat template; its 97 ids fit the tiny models."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "<eos>", "<unk>", "<user>", "<assistant>", "<system>"]
+    vocab = {token: i for i, token in enumerate(specials + [f"w{i}" for i in range(90)])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="<eos>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
 HYBRID_LAYERS = ["linear_attention", "full_attention", "sliding_attention", "linear_attention"]
 
 

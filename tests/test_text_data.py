@@ -4,9 +4,8 @@ import json
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
+from conftest import tiny_tokenizer
 from delta_attention.conversion.text_data import DataOptions, load_texts, pack_blocks, training_blocks
 
 DOCS = [" ".join(f"w{(d * 7 + i) % 50}" for i in range(40 + 10 * d)) for d in range(6)]
@@ -14,10 +13,7 @@ DOCS = [" ".join(f"w{(d * 7 + i) % 50}" for i in range(40 + 10 * d)) for d in ra
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    vocab = {"<eos>": 0, "<unk>": 1, **{f"w{i}": i + 2 for i in range(50)}}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", unk_token="<unk>")
+    return tiny_tokenizer()
 
 
 @pytest.fixture

@@ -1,0 +1,62 @@
+"""Supervised fine-tuning data: chat conversations through the tokenizer's chat template, loss on completions.
+
+Each conversation (a list of `{"role", "content"}` messages) becomes one row of `seq_len` tokens, truncated
+or right-padded. Completion-only labels are found by rendering the conversation up to each assistant turn
+with `add_generation_prompt=True` and again with the turn: the tokens in between are the completion. This
+works with any chat template whose renderings extend each other (it is checked, with a clear error).
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def _render(tokenizer, messages) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def _prompt(tokenizer, messages) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def conversation_tokens(tokenizer, messages: list[dict], completion_only: bool = True) -> tuple[list[int], list[int]]:
+    """Token ids of one conversation and its labels (`-100` outside assistant turns when `completion_only`)."""
+    if tokenizer.chat_template is None:
+        raise ValueError("the tokenizer has no chat template; fine-tune on plain text (--data_format text) instead")
+    input_ids = _render(tokenizer, messages)
+    if not completion_only:
+        return input_ids, list(input_ids)
+    labels = [IGNORE_INDEX] * len(input_ids)
+    for turn, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        prompt = _prompt(tokenizer, messages[:turn])
+        upto = _render(tokenizer, messages[: turn + 1])
+        start, end = len(prompt), len(upto)
+        if input_ids[:end] != upto or upto[:start] != prompt:
+            raise ValueError("the chat template does not render conversations as prefixes of each other; "
+                             "use --completion_only_loss false")
+        labels[start:end] = input_ids[start:end]
+    return input_ids, labels
+
+
+def chat_rows(tokenizer, conversations, seq_len: int, completion_only: bool = True) -> dict[str, torch.Tensor]:
+    """`input_ids`, `labels`, `attention_mask` tensors `[N, seq_len]` (right-padded) for the conversations."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows = {"input_ids": [], "labels": [], "attention_mask": []}
+    for messages in conversations:
+        ids, labels = conversation_tokens(tokenizer, messages, completion_only)
+        ids, labels = ids[:seq_len], labels[:seq_len]
+        if all(label == IGNORE_INDEX for label in labels[1:]):
+            continue  # nothing to learn from in the kept part
+        padding = seq_len - len(ids)
+        rows["input_ids"].append(ids + [pad] * padding)
+        rows["labels"].append(labels + [IGNORE_INDEX] * padding)
+        rows["attention_mask"].append([1] * len(ids) + [0] * padding)
+    if not rows["input_ids"]:
+        raise ValueError("no conversation has an assistant turn within seq_len tokens")
+    return {key: torch.tensor(value, dtype=torch.long) for key, value in rows.items()}

@@ -1,0 +1,116 @@
+"""`finetune`: LoRA (PEFT) supervised fine-tuning of a delta model on plain text or chat data.
+
+Runs on the shared training loop (`training.py`): same accelerate set-up, checkpoints, resume, progress and
+metrics as `distill`. Writes `output_dir/adapter` (loadable with `PeftModel.from_pretrained` or
+`AutoPeftModelForCausalLM.from_pretrained(..., trust_remote_code=True)`) and, with `--merge`,
+`output_dir/merged`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from .chat_data import chat_rows
+from .metrics import plot_metrics
+from .saving import atomic_save, save_model_and_tokenizer
+from .text_data import DataOptions, load_texts, training_blocks
+from .training import TrainingOptions, run_training
+
+
+@dataclasses.dataclass
+class FinetuneOptions:
+    """What to fine-tune and how."""
+
+    model: str = dataclasses.field(default=None, metadata={"help": "delta model folder or Hub id", "positional": True})
+    output_dir: str = dataclasses.field(default="finetuned", metadata={"help": "run folder"})
+    overwrite: bool = dataclasses.field(default=False, metadata={"help": "replace an existing output_dir"})
+    data_format: str = dataclasses.field(
+        default="auto", metadata={"help": "text, chat (a `messages` column), or auto (chat when it has `messages`)"}
+    )
+    messages_column: str = dataclasses.field(default="messages", metadata={"help": "column of chat conversations"})
+    completion_only_loss: bool = dataclasses.field(
+        default=True, metadata={"help": "chat data: loss on the assistant turns only"}
+    )
+    max_tokens: int = dataclasses.field(default=200_000, metadata={"help": "token budget (padding included)"})
+    learning_rate: float = dataclasses.field(default=2e-4, metadata={"help": "learning rate of the LoRA weights"})
+    lora_r: int = dataclasses.field(default=16, metadata={"help": "LoRA rank"})
+    lora_alpha: int = dataclasses.field(default=32, metadata={"help": "LoRA alpha"})
+    lora_dropout: float = dataclasses.field(default=0.05, metadata={"help": "LoRA dropout"})
+    lora_target_modules: str = dataclasses.field(
+        default="all-linear", metadata={"help": "comma-separated module names, or all-linear (every linear but lm_head)"}
+    )
+    merge: bool = dataclasses.field(default=False, metadata={"help": "also write the merged model to output_dir/merged"})
+
+
+def _load_model(name: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import delta_attention  # noqa: F401  (registers the Auto classes)
+
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    return model, tokenizer
+
+
+def finetune_rows(options: FinetuneOptions, data: DataOptions, tokenizer):
+    """Training rows: a tensor of packed text blocks, or a dict of chat tensors with completion-only labels."""
+    if options.data_format not in ("auto", "text", "chat"):
+        raise ValueError(f"--data_format must be auto, text or chat, got {options.data_format!r}")
+    fmt = options.data_format
+    if fmt != "text":
+        column = options.messages_column
+        table = load_texts(data.dataset, data.dataset_split, column, data.streaming) if fmt == "chat" else None
+        if fmt == "auto":
+            try:
+                table = load_texts(data.dataset, data.dataset_split, column, data.streaming)
+                fmt = "chat"
+            except ValueError:
+                fmt = "text"
+    if fmt == "text":
+        return training_blocks(data, tokenizer)
+    return chat_rows(tokenizer, (row["text"] for row in table), data.seq_len, options.completion_only_loss)
+
+
+def _loss(model, batch):
+    if isinstance(batch, dict):
+        return model(**batch, use_cache=False).loss, {}
+    return model(input_ids=batch, labels=batch, use_cache=False).loss, {}
+
+
+def run_finetune(options: FinetuneOptions, data: DataOptions, training: TrainingOptions) -> dict:
+    """Fine-tune with LoRA; returns a summary (also written to `output_dir/results.json`)."""
+    from peft import LoraConfig, get_peft_model
+
+    if not options.model:
+        raise ValueError("give the model: delta-attention finetune MODEL --dataset DATA --output_dir OUT")
+    out = Path(options.output_dir)
+    if out.exists() and any(out.iterdir()) and not (training.resume or options.overwrite):
+        raise FileExistsError(f"{out} already exists; pass --resume to continue that run or --overwrite to replace it")
+    if options.overwrite and not training.resume:
+        shutil.rmtree(out, ignore_errors=True)
+    model, tokenizer = _load_model(options.model)
+    rows = finetune_rows(options, data, tokenizer)
+    targets = options.lora_target_modules
+    targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    lora = LoraConfig(r=options.lora_r, lora_alpha=options.lora_alpha, lora_dropout=options.lora_dropout,
+                      target_modules=targets, task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, lora)
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    result = run_training(peft_model, _loss, [{"params": params, "lr": options.learning_rate}], rows, training, out,
+                          options.max_tokens, seed=data.seed, description="fine-tuning")
+    atomic_save(lambda folder: save_model_and_tokenizer(peft_model, tokenizer, folder), out / "adapter")
+    summary = {"model": options.model, "steps": result.steps, "tokens": result.tokens, "final_loss": result.final_loss,
+               "tokens_per_s": result.tokens / max(result.seconds, 1e-9),
+               "lora": {"r": options.lora_r, "alpha": options.lora_alpha, "dropout": options.lora_dropout,
+                        "target_modules": options.lora_target_modules}, "learning_rate": options.learning_rate}
+    if options.merge:
+        merged = peft_model.merge_and_unload()
+        atomic_save(lambda folder: save_model_and_tokenizer(merged, tokenizer, folder), out / "merged")
+    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    plot_metrics({"fine-tuning": result.metrics_path}, out / "metrics.png", title=f"fine-tuning {options.model}")
+    return summary
