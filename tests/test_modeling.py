@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import HYBRID_LAYERS, tiny_delta_model
+from delta_attention.conversion.evaluation import cache_bytes
 
 ALL_DELTA = ["linear_attention"] * 3
 LAYOUTS = {"all_delta": ALL_DELTA, "hybrid": HYBRID_LAYERS}
@@ -58,18 +59,6 @@ def test_eager_and_sdpa_attention_agree():
     assert (sdpa - eager).abs().max() <= 1e-4
 
 
-def cache_bytes(cache):
-    total = 0
-    for layer in cache.layers:
-        for attribute in ("conv_states", "recurrent_states"):
-            for tensor in getattr(layer, attribute, {}).values():
-                total += tensor.numel() * tensor.element_size() if tensor is not None else 0
-        for attribute in ("keys", "values"):
-            tensor = getattr(layer, attribute, None)
-            total += tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
-    return total
-
-
 def test_all_delta_cache_memory_is_constant_in_context_length():
     model = build("all_delta")
     with torch.no_grad():
@@ -91,7 +80,7 @@ def test_hybrid_cache_grows_only_in_softmax_layers():
         short = cache_bytes(model(torch.randint(3, 97, (1, 16)), use_cache=True).cache)
         long = cache_bytes(model(torch.randint(3, 97, (1, 64)), use_cache=True).cache)
     # only the full-attention layer grows: 48 more tokens x (K + V) x 2 KV heads x 16 dims x 4 bytes
-    # (the sliding layer is capped at its window of 6 in both runs)
+    # (the sliding layer holds its last window - 1 = 5 tokens in both runs)
     assert long - short == 48 * 2 * 2 * 16 * 4
 
 

@@ -1,0 +1,125 @@
+"""`evaluate`: perplexity, passkey retrieval, decode speed and cache memory of a model (and a teacher side by
+side), written as one JSON and one markdown report per run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from .evaluation import decode_speed, passkey_accuracy, perplexity_of_texts
+from .text_data import load_texts
+
+TASKS = ("perplexity", "passkey", "speed")
+
+
+@dataclasses.dataclass
+class EvaluateOptions:
+    """What to evaluate and how."""
+
+    model: str = dataclasses.field(default=None, metadata={"help": "model folder, Hub id or .gguf", "positional": True})
+    teacher: str | None = dataclasses.field(default=None, metadata={"help": "a second model evaluated side by side"})
+    tasks: str = dataclasses.field(default="perplexity,passkey,speed", metadata={"help": f"comma-separated: {TASKS}"})
+    dataset: str = dataclasses.field(default="builtin:heldout", metadata={"help": "texts for perplexity"})
+    text_column: str = dataclasses.field(default="text", metadata={"help": "column holding the text"})
+    max_tokens: int = dataclasses.field(default=16_384, metadata={"help": "tokens scored for perplexity (0 = all)"})
+    window: int = dataclasses.field(default=1024, metadata={"help": "perplexity window"})
+    stride: int = dataclasses.field(default=512, metadata={"help": "perplexity stride (< window)"})
+    passkey_lengths: str = dataclasses.field(default="1024,2048,4096,8192,16384,32768",
+                                             metadata={"help": "prompt lengths in tokens"})
+    passkey_depths: str = dataclasses.field(default="0.1,0.5,0.9", metadata={"help": "relative needle depths"})
+    passkey_trials: int = dataclasses.field(default=1, metadata={"help": "prompts per length and depth"})
+    speed_contexts: str = dataclasses.field(default="1024,4096,16384", metadata={"help": "contexts for decode speed"})
+    speed_new_tokens: int = dataclasses.field(default=16, metadata={"help": "decode steps timed per context"})
+    output_dir: str = dataclasses.field(default="evaluation", metadata={"help": "where report.json/report.md go"})
+    bf16: bool = dataclasses.field(default=False, metadata={"help": "run the models in bfloat16"})
+    seed: int = dataclasses.field(default=0, metadata={"help": "seed of passkeys and speed prompts"})
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def load_model_and_tokenizer(spec: str, dtype: torch.dtype = torch.float32):
+    """A causal LM and its tokenizer from a folder, Hub id or `.gguf` file (delta models included)."""
+    import delta_attention  # noqa: F401  (registers the Auto classes)
+
+    from .sources import load_source
+
+    if str(spec).lower().endswith(".gguf"):
+        source = load_source(spec)
+        return source.model.to(dtype).eval(), source.tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not Path(spec).exists() and "/" not in str(spec):
+        raise FileNotFoundError(f"{spec}: no such model folder or file")
+    model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).eval()
+    return model, AutoTokenizer.from_pretrained(spec)
+
+
+def evaluate_model(model, tokenizer, options: EvaluateOptions, texts: list[str] | None) -> dict:
+    """Every task asked for, on one model."""
+    tasks = [t.strip() for t in options.tasks.split(",") if t.strip()]
+    unknown = sorted(set(tasks) - set(TASKS))
+    if unknown:
+        raise ValueError(f"unknown task(s) {unknown}; choose from {list(TASKS)}")
+    result = {}
+    if "perplexity" in tasks:
+        result["perplexity"] = perplexity_of_texts(model, tokenizer, texts, options.window, options.stride,
+                                                   options.max_tokens or None)
+    if "passkey" in tasks:
+        depths = [float(x) for x in options.passkey_depths.split(",") if x.strip()]
+        result["passkey"] = passkey_accuracy(model, tokenizer, _ints(options.passkey_lengths), depths,
+                                             options.passkey_trials, options.seed)
+    if "speed" in tasks:
+        result["speed"] = [decode_speed(model, c, options.speed_new_tokens, seed=options.seed)
+                           for c in _ints(options.speed_contexts)]
+    return result
+
+
+def markdown_report(report: dict) -> str:
+    """The report as markdown tables, one column per model."""
+    names = list(report["models"])
+    results = [report["models"][n] for n in names]
+    head = "| | " + " | ".join(names) + " |\n|---|" + "---|" * len(names) + "\n"
+    lines = [f"# Evaluation ({report['date']})", ""]
+    if all("perplexity" in r for r in results):
+        lines += ["## Perplexity", "", f"on `{report['dataset']}`, window {report['window']}, stride {report['stride']}",
+                  "", head + "| perplexity | " + " | ".join(f"{r['perplexity']['perplexity']:.2f}" for r in results)
+                  + " |\n| tokens | " + " | ".join(f"{r['perplexity']['tokens']:,}" for r in results) + " |", ""]
+    if all("passkey" in r for r in results):
+        rows = "".join(f"| {length} tokens | " + " | ".join(f"{r['passkey'][length]:.0%}" for r in results) + " |\n"
+                       for length in results[0]["passkey"])
+        lines += ["## Passkey retrieval accuracy", "", head + rows]
+    if all("speed" in r for r in results):
+        rows = "".join(
+            f"| {s['context']:,} | " + " | ".join(
+                f"{r['speed'][i]['ms_per_token']:.1f} ms, {r['speed'][i]['cache_bytes'] / 2**20:.1f} MiB" for r in results
+            ) + " |\n" for i, s in enumerate(results[0]["speed"]))
+        lines += ["## Decode speed and cache memory", "", "| context | " + " | ".join(names) + " |\n|---|"
+                  + "---|" * len(names) + "\n" + rows]
+    return "\n".join(lines)
+
+
+def run_evaluate(options: EvaluateOptions) -> dict:
+    """Evaluate the model (and the teacher); writes `report.json` and `report.md` under `output_dir`."""
+    if not options.model:
+        raise ValueError("give the model: delta-attention evaluate MODEL [--teacher SOURCE]")
+    dtype = torch.bfloat16 if options.bf16 else torch.float32
+    texts = None
+    if "perplexity" in options.tasks:
+        texts = list(load_texts(options.dataset, text_column=options.text_column)["text"])
+    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "dataset": options.dataset, "window": options.window,
+              "stride": options.stride, "threads": torch.get_num_threads(), "models": {}}
+    for spec in [options.model] + ([options.teacher] if options.teacher else []):
+        model, tokenizer = load_model_and_tokenizer(spec, dtype)
+        report["models"][Path(str(spec)).name or str(spec)] = evaluate_model(model, tokenizer, options, texts)
+        del model
+    out = Path(options.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    (out / "report.md").write_text(markdown_report(report))
+    return report
