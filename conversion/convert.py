@@ -1,0 +1,430 @@
+"""Converting a Llama/Mistral/Qwen checkpoint to delta attention: plan, build, initialise, save.
+
+    from delta_attention.conversion import convert, ConversionSettings
+    result = convert("model.gguf", "out/", ConversionSettings(keep_attention="0.25", init="calibrated"))
+
+Every check that can fail on user input (output folder, source, family, `--keep-attention`, options) runs
+before anything is loaded or written. The output folder is written under a hidden temporary name next to
+it and renamed into place at the end, so an interrupted conversion never leaves a folder that looks
+complete.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from delta_attention.modeling import DeltaForCausalLM
+
+from . import init as I
+from .attention_transfer import collect_teacher_activations
+from .calibration import LayerCalibration, calibrate_layer
+from .layer_plan import DELTA, LayerPlan, choose_auto, make_plan, parse_keep
+from .memory import MemoryReport, count_parameters, memory_report
+from .sources import Source, SourceRef, check_layout, check_supported, load_config, load_source, resolve, source_layer_types
+from .target_config import DeltaOptions, delta_config_from_source
+from .text_windows import mean_nll, random_windows, token_windows
+
+INITS = ("copy", "calibrated")
+#: config attribute of a converted model recording where its source (the distillation teacher) loads from
+SOURCE_ATTRIBUTE = "conversion_source"
+GATES = ("none", "scalar", "channel")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass
+class ConversionSettings:
+    """Everything a conversion chooses; the CLI's options map onto these fields one to one."""
+
+    keep_attention: str = "0.25"
+    keep_first_layer: bool = True
+    gate: str = "scalar"
+    init: str = "calibrated"
+    conv_kernel_size: int = 4
+    output_gate: bool = True
+    allow_neg_eigval: bool = False
+    chunk_size: int = 64
+    calibration_tokens: int = 4096
+    calibration_seq_len: int = 512
+    calibration_steps: int = 0
+    calibration_lr: float = 3e-3
+    search_windows: int = 2
+    rank_tokens: int = 2048
+    bf16: bool = True
+    dtype: str = "auto"
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.init not in INITS:
+            raise ValueError(f"--init must be one of {list(INITS)}, got {self.init!r}")
+        if self.gate not in GATES:
+            raise ValueError(f"--gate must be one of {list(GATES)} (none = DeltaNet, scalar = Gated DeltaNet, "
+                             f"channel = KDA), got {self.gate!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        for name in ("calibration_tokens", "calibration_seq_len", "search_windows", "rank_tokens", "chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.calibration_seq_len < 8:
+            raise ValueError(f"--calibration-seq-len must be >= 8, got {self.calibration_seq_len}")
+        if self.calibration_steps < 0 or self.conv_kernel_size < 0:
+            raise ValueError("--calibration-steps and --conv-kernel-size must be >= 0")
+
+    def delta_options(self) -> DeltaOptions:
+        return DeltaOptions(self.gate, self.conv_kernel_size, self.output_gate, self.allow_neg_eigval, self.chunk_size)
+
+
+@dataclasses.dataclass
+class ConversionResult:
+    """A converted model (None for a dry run) with its plan, settings and figures."""
+
+    model: DeltaForCausalLM | None
+    plan: LayerPlan
+    settings: ConversionSettings
+    memory: MemoryReport
+    source_ref: SourceRef | None = None
+    source_name: str = ""
+    source_model_type: str | None = None
+    calibration: dict[int, LayerCalibration] = dataclasses.field(default_factory=dict)
+    calibration_tokens: int = 0
+    calibration_text: str = "calibration text"
+    out: Path | None = None
+    evaluation: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def evaluation_text(self) -> str | None:
+        if not self.evaluation:
+            return None
+        return "\n".join(f"- {name}: {value:.4g}" for name, value in self.evaluation.items())
+
+    def describe(self) -> str:
+        return self.plan.describe() + "\n" + self.memory.describe()
+
+    def record(self) -> dict:
+        """What `conversion.json` in the output folder holds."""
+        return {
+            "source": {
+                "spec": self.source_ref.spec if self.source_ref else self.source_name,
+                "kind": self.source_ref.kind if self.source_ref else "model",
+                "path": self.source_ref.path if self.source_ref else None,
+                "gguf_file": self.source_ref.gguf_file if self.source_ref else None,
+                "model_type": self.source_model_type,
+            },
+            "settings": dataclasses.asdict(self.settings),
+            "plan": {
+                "rule": self.plan.rule,
+                "source_types": self.plan.source_types,
+                "layer_types": self.plan.layer_types,
+                "kept": self.plan.kept,
+                "ranking": self.plan.ranking,
+                "baseline_perplexity": self.plan.baseline_perplexity,
+            },
+            "calibration_tokens": self.calibration_tokens,
+            "calibration_text": self.calibration_text,
+            "calibration": {str(i): dataclasses.asdict(c) for i, c in self.calibration.items()},
+            "memory": self.memory.as_dict(),
+            "evaluation": self.evaluation,
+        }
+
+
+# ----------------------------------------------------------------------------------------------- planning
+
+
+def rank_layers_by_bypass(model, windows: torch.Tensor, bf16: bool = True, progress: bool = True):
+    """Perplexity of `model` on `windows` with each layer's attention output replaced by zeros.
+
+    Returns `(baseline_perplexity, {layer: perplexity_without_its_attention})`.
+    """
+    modules = [layer.self_attn for layer in model.model.layers]
+
+    def zero_output(module, args, output):
+        if isinstance(output, tuple):
+            return (torch.zeros_like(output[0]), *output[1:])
+        return torch.zeros_like(output)
+
+    baseline = math.exp(mean_nll(model, windows, batch_size=2, bf16=bf16))
+    costs = {}
+    for i in tqdm(range(len(modules)), desc="ranking layers (bypass each)", disable=not progress):
+        handle = modules[i].register_forward_hook(zero_output)
+        try:
+            costs[i] = math.exp(min(mean_nll(model, windows, batch_size=2, bf16=bf16), 700.0))
+        finally:
+            handle.remove()
+    return baseline, costs
+
+
+def plan_layers(source_config, settings: ConversionSettings, model=None, rank_windows=None,
+                progress: bool = True) -> LayerPlan:
+    """The layer plan for `settings.keep_attention` (auto ranking needs `model` and `rank_windows`)."""
+    types = source_layer_types(source_config)
+    spec = parse_keep(settings.keep_attention, len(types))
+    if not spec.is_auto:
+        text = spec.text.strip().lower()
+        if text in ("all", "none", ""):
+            rule = f"keep {text or 'none'}"
+        elif "." in text:
+            rule = f"ratio {text}, uniform from layer 0"
+        else:
+            rule = f"explicit list {','.join(map(str, spec.layers))}"
+        return make_plan(types, spec.layers, rule)
+    if model is None or rank_windows is None:
+        raise ValueError("auto layer selection needs the loaded source model and calibration windows")
+    baseline, costs = rank_layers_by_bypass(model, rank_windows, settings.bf16, progress)
+    kept = choose_auto(costs, spec.auto_count, settings.keep_first_layer)
+    ranking = sorted(costs.items(), key=lambda item: (-item[1], item[0]))
+    rule = (f"{spec.text}: the {spec.auto_count} layers whose bypass costs most perplexity"
+            + (" (layer 0 always kept)" if settings.keep_first_layer else ""))
+    return make_plan(types, kept, rule, ranking=ranking, baseline_perplexity=baseline)
+
+
+# ----------------------------------------------------------------------------------------------- building
+
+
+def build_delta_model(source_model, plan: LayerPlan, settings: ConversionSettings) -> DeltaForCausalLM:
+    """A `DeltaForCausalLM` (float32) with the source's weights mapped in and the `copy` init for new ones."""
+    check_layout(source_model)
+    config = delta_config_from_source(source_model.config, plan.layer_types, settings.delta_options(), model=source_model)
+    torch.manual_seed(settings.seed)
+    model = DeltaForCausalLM(config).float().eval()
+    kept = set(plan.kept)
+    I.copy_shared_weights(source_model, model, kept)
+    generator = torch.Generator().manual_seed(settings.seed)
+    for i in plan.delta:
+        attn = model.model.layers[i].self_attn
+        I.copy_delta_projections(source_model.model.layers[i].self_attn, attn, config.num_attention_heads,
+                                 config.num_key_value_heads)
+        I.init_new_parameters(attn, generator)
+    generation_config = getattr(source_model, "generation_config", None)
+    if generation_config is not None:
+        model.generation_config = copy.deepcopy(generation_config)
+    return model
+
+
+def initialise_from_teacher(student, teacher, plan: LayerPlan, windows: torch.Tensor, settings: ConversionSettings,
+                            progress: bool = True) -> dict[int, LayerCalibration]:
+    """Run the teacher once over `windows` and calibrate every delta layer from its activations."""
+    if not plan.delta:
+        return {}
+    calibrated = settings.init == "calibrated"
+    acts = collect_teacher_activations(
+        teacher, windows, plan.delta, batch_size=1, attention_stats=calibrated, bf16=settings.bf16,
+        store_heads=calibrated, progress=progress,
+    )
+    results = {}
+    for i in tqdm(plan.delta, desc=f"{settings.init} init of delta layers", disable=not progress):
+        results[i] = calibrate_layer(
+            student.model.layers[i].self_attn, acts.pop(i), init=settings.init, steps=settings.calibration_steps,
+            lr=settings.calibration_lr, search_windows=settings.search_windows, bf16=settings.bf16,
+            seed=settings.seed + i,
+        )
+    return results
+
+
+def calibration_windows(tokenizer, settings: ConversionSettings, vocab_size: int, texts=None,
+                        num_tokens: int | None = None) -> torch.Tensor:
+    """Token windows of calibration text: `texts`, else the assets' training split; random ids without a tokenizer."""
+    seq_len = settings.calibration_seq_len
+    count = max(1, (num_tokens or settings.calibration_tokens) // seq_len)
+    if tokenizer is None:
+        return random_windows(vocab_size, seq_len, count, seed=settings.seed)
+    if texts is None:
+        from .assets import train_texts
+
+        texts = train_texts()
+    return token_windows(tokenizer, list(texts), seq_len, count)
+
+
+def source_spec(ref: SourceRef) -> str:
+    """A spec that loads the source from anywhere: the Hub id, or the absolute folder / `.gguf` path."""
+    if ref.kind == "gguf":
+        return str(Path(ref.path) / ref.gguf_file)
+    return ref.path
+
+
+def _output_dtype(settings: ConversionSettings, source_model) -> torch.dtype:
+    if settings.dtype == "auto":
+        return next(source_model.parameters()).dtype
+    return getattr(torch, settings.dtype)
+
+
+def convert_model(source, settings: ConversionSettings | None = None, tokenizer=None, calibration_texts=None,
+                  windows: torch.Tensor | None = None, plan: LayerPlan | None = None,
+                  progress: bool = True) -> ConversionResult:
+    """Convert an already loaded source (a `Source` or a Llama-layout `PreTrainedModel`) in memory.
+
+    `windows` ([N, T] token ids) overrides the calibration text; without a tokenizer random ids are used.
+    The returned model is in the output dtype (`settings.dtype`) and eval mode.
+    """
+    settings = settings or ConversionSettings()
+    settings.validate()
+    if not isinstance(source, Source):
+        source = Source(None, source, tokenizer)
+    teacher = source.model.eval()
+    check_supported(teacher.config)
+    check_layout(teacher)
+    tokenizer = tokenizer if tokenizer is not None else source.tokenizer
+    vocab = teacher.config.vocab_size
+    if plan is None:
+        rank_windows = None
+        if parse_keep(settings.keep_attention, teacher.config.num_hidden_layers).is_auto:
+            rank_windows = calibration_windows(tokenizer, settings, vocab, calibration_texts, settings.rank_tokens)
+        plan = plan_layers(teacher.config, settings, teacher, rank_windows, progress)
+    student = build_delta_model(teacher, plan, settings)
+    calibration, used = {}, 0
+    described = "the given token windows" if windows is not None else (
+        "random token ids (the source has no tokenizer)" if tokenizer is None else
+        "the given calibration text" if calibration_texts is not None else
+        "the assets' training text (State of the Union, Shakespeare; held-out documents excluded)")
+    if plan.delta:
+        if windows is None:
+            windows = calibration_windows(tokenizer, settings, vocab, calibration_texts)
+        used = windows.numel()
+        calibration = initialise_from_teacher(student, teacher, plan, windows, settings, progress)
+    student = student.to(_output_dtype(settings, teacher)).eval()
+    if source.ref is not None:
+        setattr(student.config, SOURCE_ATTRIBUTE, source_spec(source.ref))
+    memory = memory_report(teacher.config, student.config, plan.source_types, _output_dtype(settings, teacher),
+                           source_parameters=count_parameters(teacher), converted_parameters=count_parameters(student))
+    return ConversionResult(
+        student, plan, settings, memory, source.ref, source.name, getattr(teacher.config, "model_type", None),
+        calibration, used, described,
+    )
+
+
+# ----------------------------------------------------------------------------------------------- saving
+
+
+def check_output(out, overwrite: bool, source_ref: SourceRef | None = None) -> Path:
+    """Refuse an existing output folder without `overwrite`, a file in its place, or the source folder itself."""
+    out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"output path {out} exists and is not a folder")
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"output folder {out} already exists; pass --overwrite to replace it")
+    if source_ref is not None and source_ref.kind in ("folder", "gguf"):
+        source_dir = Path(source_ref.path).resolve()
+        if out.resolve() == source_dir or (source_ref.kind == "folder" and source_dir in out.resolve().parents):
+            raise ValueError(f"the output folder {out} would overwrite the source {source_ref.spec}")
+    return out
+
+
+def save_converted(result: ConversionResult, out, tokenizer=None, overwrite: bool = False,
+                   progress: bool = True) -> Path:
+    """Write model, custom code, tokenizer, generation config, card and `conversion.json` to `out`, atomically."""
+    from .card import conversion_card
+
+    out = check_output(out, overwrite, result.source_ref)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    retired = None
+    steps = ["weights and model code", "tokenizer", "model card", "conversion record"]
+    try:
+        with tqdm(total=len(steps), desc="saving", disable=not progress) as bar:
+            bar.set_postfix_str(steps[0])
+            result.model.save_pretrained(staging)
+            bar.update()
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging)
+            bar.update()
+            result.out = out
+            conversion_card(result, model_path=out.name).save(staging / "README.md")
+            bar.update()
+            (staging / "conversion.json").write_text(json.dumps(result.record(), indent=2) + "\n")
+            bar.update()
+        if out.exists():
+            retired = out.with_name(f".{out.name}.old-{staging.name.rsplit('-', 1)[-1]}")
+            out.rename(retired)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if retired is not None and not out.exists():
+            retired.rename(out)
+        result.out = None
+        raise
+    if retired is not None:
+        shutil.rmtree(retired, ignore_errors=True)
+    return out
+
+
+def convert(source, out=None, settings: ConversionSettings | None = None, overwrite: bool = False,
+            dry_run: bool = False, calibration_texts=None, progress: bool = True, log=print) -> ConversionResult:
+    """Convert SOURCE (Hub id, folder, `.gguf` file, or a loaded `Source`) and save it to `out`.
+
+    With `dry_run` the plan (layer map, parameter counts, state vs KV bytes) is printed and returned and
+    nothing is written; `auto:` plans still load the model to rank its layers.
+    """
+    settings = settings or ConversionSettings()
+    settings.validate()
+    if out is None and not dry_run:
+        raise ValueError("an output folder is needed (--out DIR), or --dry-run")
+    ref = source.ref if isinstance(source, Source) else resolve(source)
+    if out is not None:
+        check_output(out, overwrite, ref)
+    config = source.config if isinstance(source, Source) else load_config(ref)
+    check_supported(config)
+    spec = parse_keep(settings.keep_attention, config.num_hidden_layers)
+    # option values the model config rejects (e.g. a bad gate) fail here, before any loading
+    delta_config_from_source(config, ["linear_attention"] * config.num_hidden_layers, settings.delta_options())
+
+    if dry_run and not spec.is_auto:
+        plan = plan_layers(config, settings)
+        delta_config = delta_config_from_source(config, plan.layer_types, settings.delta_options())
+        dtype = config.dtype if settings.dtype == "auto" and getattr(config, "dtype", None) else settings.dtype
+        dtype = torch.float32 if dtype in ("auto", None) else dtype
+        memory = memory_report(_plain_config(config), delta_config, plan.source_types, dtype)
+        result = ConversionResult(None, plan, settings, memory, ref, ref.name if ref else "",
+                                  getattr(config, "model_type", None))
+        log(result.describe())
+        log("dry run: nothing written")
+        return result
+
+    loaded = source if isinstance(source, Source) else load_source(ref)
+    plan = None
+    if dry_run:
+        windows = calibration_windows(loaded.tokenizer, settings, config.vocab_size, calibration_texts,
+                                      settings.rank_tokens)
+        plan = plan_layers(loaded.config, settings, loaded.model, windows, progress)
+        delta_config = delta_config_from_source(loaded.config, plan.layer_types, settings.delta_options(),
+                                                model=loaded.model)
+        memory = memory_report(_plain_config(loaded.config), delta_config, plan.source_types,
+                               _output_dtype(settings, loaded.model), source_parameters=count_parameters(loaded.model))
+        result = ConversionResult(None, plan, settings, memory, ref, loaded.name, getattr(config, "model_type", None))
+        log(result.describe())
+        log("dry run: nothing written")
+        return result
+
+    result = convert_model(loaded, settings, calibration_texts=calibration_texts, progress=progress)
+    log(result.describe())
+    save_converted(result, out, tokenizer=loaded.tokenizer, overwrite=overwrite, progress=progress)
+    log(f"saved to {result.out}")
+    return result
+
+
+def _plain_config(config):
+    """A copy of a source config without GGUF/quantization settings, for counting on the meta device."""
+    config = copy.deepcopy(config)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    return config
+
+
+__all__ = [
+    "ConversionResult",
+    "ConversionSettings",
+    "build_delta_model",
+    "calibration_windows",
+    "check_output",
+    "convert",
+    "convert_model",
+    "initialise_from_teacher",
+    "plan_layers",
+    "rank_layers_by_bypass",
+    "save_converted",
+]

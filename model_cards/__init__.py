@@ -1,0 +1,1 @@
+"""Model card templates (Jinja, rendered with `huggingface_hub.ModelCard.from_template`); data only."""
