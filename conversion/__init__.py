@@ -2,13 +2,11 @@
 
 import importlib
 
+# `convert` is both a submodule and the function; import it now so the package attribute is the function
+from .convert import ConversionResult, ConversionSettings, convert, convert_model, save_converted  # noqa: E402
+
 # public names -> defining module, imported on first use (keeps `import delta_attention.conversion.x` light)
 _EXPORTS = {
-    "convert": "convert",
-    "convert_model": "convert",
-    "ConversionSettings": "convert",
-    "ConversionResult": "convert",
-    "save_converted": "convert",
     "load_source": "sources",
     "SUPPORTED_MODEL_TYPES": "sources",
     "fetch_assets": "assets",
@@ -28,4 +26,4 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "ConversionResult", "ConversionSettings", "convert", "convert_model", "save_converted"])
