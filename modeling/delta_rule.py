@@ -6,6 +6,12 @@ Three entry points compute the same thing:
 * `recurrent_delta_rule`: the recurrent form used for decoding one (or a few) tokens;
 * `chunk_delta_rule`: the chunkwise (WY / UT transform) form used for prefill and training.
 
+`chunk_delta_rule` runs the fast CPU kernel of `delta_chunk.py` (batched over batch, heads and chunks, with its
+own chunked backward) and, on CUDA with flash-linear-attention installed, fla's Triton kernels
+(`delta_fla.py`). `_chunk_delta_rule_elementwise` below is the plain chunked form, kept as a second reference
+and as the exact path for per-channel decays too steep to factorise. `recurrent_delta_rule(..., inplace=True)`
+is the decode step: it updates the cache's state buffer in place.
+
 Per head, with `q` and `k` already L2-normalised by the caller, `q` scaled by `scale` and the state
 `S` of shape [K, V]:
 
@@ -27,6 +33,9 @@ State and accumulation are float32 whatever the input dtype.
 from __future__ import annotations
 
 import torch
+
+from .delta_chunk import channel_decay_fits, fast_chunk_delta_rule
+from .delta_fla import fla_available, fla_delta_rule
 
 
 def _expand_decay(decay: torch.Tensor) -> torch.Tensor:
@@ -78,11 +87,29 @@ def recurrent_delta_rule(
     g: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
     scale: float | None = None,
+    *,
+    inplace: bool = False,
+    implementation: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Recurrent form for decoding: a loop over the (few) new tokens, batched matmuls over batch and heads."""
+    """Recurrent form for decoding: a loop over the (few) new tokens, batched matmuls over batch and heads.
+
+    With `inplace=True` and a float32 contiguous `initial_state` that needs no gradient, the state is updated in
+    place and returned as the final state (the decode step writes into the cache's own buffer: no new state per
+    token). `implementation="auto"` uses fla's fused recurrent kernels on CUDA when they are installed.
+    """
     batch, seq_len, heads, key_dim = q.shape
     value_dim = v.shape[-1]
     scale = key_dim**-0.5 if scale is None else scale
+    if implementation == "auto" and seq_len and fla_available(q):
+        _initial_state(initial_state, batch, heads, key_dim, value_dim, q.device)  # shape check
+        return fla_delta_rule(q, k, v, beta, g, initial_state, scale, recurrent=True)
+    tensors = (q, k, v, beta, g, initial_state)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if inplace and not needs_grad and initial_state is not None and initial_state.dtype == torch.float32:
+        _initial_state(initial_state, batch, heads, key_dim, value_dim, q.device)  # shape check
+        if initial_state.is_contiguous():
+            return _recurrent_inplace(q, k, v, beta, g, initial_state, scale)
+
     state = _initial_state(initial_state, batch, heads, key_dim, value_dim, q.device)
     q = q.float() * scale
     k, v, beta = k.float(), v.float(), beta.float()
@@ -99,6 +126,24 @@ def recurrent_delta_rule(
     if not outputs:
         return v.new_zeros(batch, 0, heads, value_dim), state
     return torch.stack(outputs, dim=1).to(v.dtype), state
+
+
+def _recurrent_inplace(q, k, v, beta, g, state, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrent form updating `state` [B, H, K, V] (float32, contiguous) in place; no autograd."""
+    batch, seq_len, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    flat = state.view(batch * heads, key_dim, value_dim)
+    out = torch.empty(batch, seq_len, heads, value_dim, dtype=v.dtype, device=v.device)
+    for t in range(seq_len):
+        k_t = k[:, t].reshape(batch * heads, 1, key_dim).float()  # [BH, 1, K]
+        if g is not None:  # per head [B, H] -> [BH, 1, 1]; per channel [B, H, K] -> [BH, K, 1]
+            flat.mul_(g[:, t].reshape(batch * heads, -1, 1).float().exp())
+        delta = v[:, t].reshape(batch * heads, 1, value_dim).float() - torch.bmm(k_t, flat)  # [BH, 1, V]
+        delta.mul_(beta[:, t].reshape(batch * heads, 1, 1))
+        flat.baddbmm_(k_t.mT, delta)  # S += k (b (v - S^T k))^T, a rank-one update in place
+        q_t = q[:, t].reshape(batch * heads, 1, key_dim).float()
+        torch.mul(torch.bmm(q_t, flat).view(batch, heads, value_dim), scale, out=out[:, t])
+    return out, state
 
 
 def _causal_mask(size: int, inclusive: bool, device) -> torch.Tensor:
@@ -157,8 +202,43 @@ def chunk_delta_rule(
     initial_state: torch.Tensor | None = None,
     scale: float | None = None,
     chunk_size: int = 64,
+    *,
+    implementation: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunkwise delta rule (WY / UT transform); differentiable with autograd.
+    """Chunkwise delta rule (WY / UT transform) for prefill and training; differentiable.
+
+    `implementation`: `"auto"` runs fla's Triton kernels on CUDA when flash-linear-attention is installed and the
+    fast batched kernel of `delta_chunk.py` otherwise; `"fast"` forces the latter, `"elementwise"` the plain
+    chunked form with autograd through it (also what `"auto"`/`"fast"` use for a per-channel decay too steep for
+    the fast kernel's factorised scores: a sub-block of 16 tokens decaying by more than e^-60 in some channel).
+    """
+    batch, seq_len, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    _initial_state(initial_state, batch, heads, key_dim, value_dim, q.device)  # shape check
+    if implementation not in ("auto", "fast", "elementwise"):
+        raise ValueError(f"implementation must be 'auto', 'fast' or 'elementwise', got {implementation!r}")
+    if seq_len == 0:
+        state = _initial_state(initial_state, batch, heads, key_dim, value_dim, q.device)
+        return v.new_zeros(batch, 0, heads, value_dim), state
+    if implementation == "auto" and fla_available(q):
+        return fla_delta_rule(q, k, v, beta, g, initial_state, scale)
+    steep = g is not None and g.dim() == 4 and not channel_decay_fits(g, chunk_size)
+    if implementation == "elementwise" or steep:
+        return _chunk_delta_rule_elementwise(q, k, v, beta, g, initial_state, scale, chunk_size)
+    return fast_chunk_delta_rule(q, k, v, beta, g, initial_state, scale, chunk_size)
+
+
+def _chunk_delta_rule_elementwise(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunkwise form written plainly (float32, a loop over chunks, autograd through it); exact for any decay.
 
     Within a chunk of C tokens with cumulative log-decay G:
         T = (I + tril(diag(b) (K K^T . Gamma), -1))^{-1}     (one batched unit-triangular solve)

@@ -177,9 +177,14 @@ class DeltaAttention(nn.Module):
             if log_decay is not None:
                 log_decay = log_decay * (keep if log_decay.dim() == 3 else keep[..., None])
 
-        kernel = recurrent_delta_rule if seq_len == 1 else chunk_delta_rule
-        extra = {} if seq_len == 1 else {"chunk_size": self.chunk_size}
-        output, final_state = kernel(query, key, value, beta, log_decay, initial_state=recurrent_state, **extra)
+        if seq_len == 1:  # decode: the state is updated in place, in the cache's own buffer
+            output, final_state = recurrent_delta_rule(
+                query, key, value, beta, log_decay, initial_state=recurrent_state, inplace=True
+            )
+        else:
+            output, final_state = chunk_delta_rule(
+                query, key, value, beta, log_decay, initial_state=recurrent_state, chunk_size=self.chunk_size
+            )
         if cache is not None:
             cache.update_recurrent_state(final_state, self.layer_idx)
             # `has_previous_state` is only set by `update_conv_state`; without a conv we set it ourselves
