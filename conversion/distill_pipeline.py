@@ -29,13 +29,13 @@ from .distill import (
     freeze_all,
     stage1_parameters,
 )
+from .convert import SOURCE_ATTRIBUTE
 from .metrics import plot_metrics
 from .saving import atomic_save, save_model_and_tokenizer
-from .text_data import DataOptions, training_blocks
+from .text_data import DataOptions, load_texts, training_blocks
 from .text_windows import perplexity, token_windows
 from .training import TrainingOptions, run_training
 
-SOURCE_ATTRIBUTE = "conversion_source"  # config attribute in which `convert` records the teacher
 
 
 @dataclasses.dataclass
@@ -71,6 +71,9 @@ class DistillOptions:
     ce_weight: float = dataclasses.field(default=0.0, metadata={"help": "weight of a cross-entropy term in stage 2"})
     output: str = dataclasses.field(
         default="merged", metadata={"help": "merged: the merged model; adapter: the LoRA adapter over stage1/model"}
+    )
+    eval_dataset: str = dataclasses.field(
+        default="builtin:heldout", metadata={"help": "evaluation texts (never trained on); same forms as --dataset"}
     )
     eval_tokens: int = dataclasses.field(default=16_384, metadata={"help": "held-out tokens for perplexity (0 = none)"})
     eval_seq_len: int | None = dataclasses.field(default=None, metadata={"help": "evaluation window (default seq_len)"})
@@ -144,15 +147,13 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
     teacher, teacher_tokenizer = _load_teacher(options, student)
     tokenizer = _load_tokenizer(options.student, teacher_tokenizer)
     blocks = training_blocks(data, tokenizer)
-    blocks = blocks["input_ids"] if not data.streaming else blocks
 
     results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
     evaluate = None
     if options.eval_tokens:
-        from .assets import heldout_texts
-
         seq = options.eval_seq_len or data.seq_len
-        windows = token_windows(tokenizer, heldout_texts(), seq, max(1, options.eval_tokens // seq))
+        texts = list(load_texts(options.eval_dataset)["text"])
+        windows = token_windows(tokenizer, texts, seq, max(1, options.eval_tokens // seq))
         evaluate = HeldoutEvaluator(windows)
         if "teacher_ppl" not in results:
             results["teacher_ppl"] = perplexity(teacher, windows, desc="teacher perplexity")

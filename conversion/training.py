@@ -29,7 +29,7 @@ from transformers import get_cosine_schedule_with_warmup
 from .checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(FloatingPointError):
     """The loss became NaN or infinite; training stopped without writing anything after the last good checkpoint."""
 
 

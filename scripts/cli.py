@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     options = parse_options(module.Options, rest, prog=f"delta-attention {name}")
     try:
         result = module.run(*options)
-    except (ValueError, FileNotFoundError, FileExistsError) as error:
-        # user errors: one clear line, no traceback
+    except (ValueError, FileNotFoundError, FileExistsError, ArithmeticError) as error:
+        # user errors (and a diverged training run): one clear line, no traceback
         print(f"delta-attention {name}: error: {error}", file=sys.stderr)
         return 1
     return int(result or 0)

@@ -1,0 +1,154 @@
+"""`distill` on tiny models: stage 1 lowers the per-layer MSE, stage 2 the KL; resume, DDP and NaN behaviour."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+import delta_attention.conversion.distill_pipeline as pipeline
+from conftest import tiny_tokenizer
+from delta_attention.conversion.convert import ConversionSettings, convert
+from delta_attention.conversion.distill_pipeline import DistillOptions, run_distill
+from delta_attention.conversion.metrics import read_metrics
+from delta_attention.conversion.text_data import DataOptions
+from delta_attention.conversion.training import NonFiniteLossError, TrainingOptions
+
+
+def words(n, seed):
+    rng = random.Random(seed)
+    # a little structure (repeated bigrams) so that there is something to learn
+    out = []
+    while len(out) < n:
+        w = rng.randrange(60)
+        out += [f"w{w}", f"w{(w * 7 + 3) % 90}"]
+    return " ".join(out[:n])
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A tiny Llama teacher with a tokenizer, its conversion (layer 0 kept) and train/eval text files."""
+    root = tmp_path_factory.mktemp("distill")
+    torch.manual_seed(0)
+    teacher = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+                                           eos_token_id=2))
+    # a teacher worth distilling: a few hundred steps on the structured text
+    tokenizer = tiny_tokenizer()
+    ids = torch.tensor(tokenizer(words(20000, 4))["input_ids"][: 600 * 32]).view(600, 32)
+    optimizer = torch.optim.AdamW(teacher.parameters(), lr=3e-3)
+    for step in range(150):
+        batch = ids[torch.randint(0, 600, (16,), generator=torch.Generator().manual_seed(step))]
+        teacher(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    teacher.eval().save_pretrained(root / "teacher")
+    tokenizer.save_pretrained(root / "teacher")
+    settings = ConversionSettings(keep_attention="0", init="copy", calibration_tokens=256, calibration_seq_len=32,
+                                  chunk_size=16, bf16=False)
+    convert(str(root / "teacher"), out=root / "student", settings=settings, calibration_texts=[words(2000, 1)],
+            progress=False, log=lambda *a: None)
+    (root / "train.txt").write_text(words(30000, 2))
+    (root / "eval.txt").write_text(words(3000, 3))
+    return root
+
+
+def options(folders, out, **overrides):
+    distill = DistillOptions(student=str(folders / "student"), output_dir=str(out), eval_dataset=str(folders / "eval.txt"),
+                             eval_tokens=1024, stage1_tokens=30 * 8 * 32, stage2_tokens=30 * 8 * 32, stage1_lr=1e-2,
+                             stage2_lr=3e-3, lora_r=4)
+    data = DataOptions(dataset=str(folders / "train.txt"), seq_len=32)
+    training = TrainingOptions(batch_size=8, mixed_precision="no", checkpoint_every_tokens=10 * 8 * 32)
+    for key, value in overrides.items():
+        for target in (distill, data, training):
+            if hasattr(target, key):
+                setattr(target, key, value)
+    return distill, data, training
+
+
+def test_both_stages_lower_their_losses_and_write_a_reloadable_model(folders, tmp_path):
+    assert json.loads((folders / "student" / "config.json").read_text())["conversion_source"]  # teacher recorded
+    results = run_distill(*options(folders, tmp_path / "run"))
+    stage1 = read_metrics(tmp_path / "run" / "stage1" / "metrics.jsonl")
+    stage2 = read_metrics(tmp_path / "run" / "stage2" / "metrics.jsonl")
+    assert len(stage1) == 30 and len(stage2) == 30
+    assert sum(r["loss"] for r in stage1[-5:]) < 0.8 * sum(r["loss"] for r in stage1[:5])  # per-layer relative MSE
+    assert sum(r["kl"] for r in stage2[-5:]) < 0.8 * sum(r["kl"] for r in stage2[:5])
+    assert results["teacher_ppl"] < results["converted_ppl"]  # a trained teacher, a damaged conversion
+    assert results["stage1"]["heldout_ppl"] < results["converted_ppl"]
+    assert results["stage2"]["heldout_ppl"] < results["stage1"]["heldout_ppl"]
+    saved = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert saved["teacher_ppl"] == pytest.approx(results["teacher_ppl"])
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")
+    assert type(model).__name__ == "DeltaForCausalLM" and not any("lora" in n for n, _ in model.named_parameters())
+    assert (tmp_path / "run" / "metrics.png").exists() and (tmp_path / "run" / "stage1" / "model").is_dir()
+
+
+def test_killed_during_stage_2_and_resumed_gives_the_same_weights(folders, tmp_path, monkeypatch):
+    run_distill(*options(folders, tmp_path / "straight", eval_tokens=0))
+    original = pipeline.run_training
+
+    class Killed(Exception):
+        pass
+
+    def killed_at_step_15_of_stage_2(*args, **kwargs):
+        if "stage 2" in kwargs.get("description", ""):
+            def stop(step):
+                if step == 15:
+                    raise Killed
+            kwargs["step_callback"] = stop
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "run_training", killed_at_step_15_of_stage_2)
+    with pytest.raises(Killed):
+        run_distill(*options(folders, tmp_path / "resumed", eval_tokens=0))
+    monkeypatch.setattr(pipeline, "run_training", original)
+    assert not (tmp_path / "resumed" / "model").exists()
+    with pytest.raises(FileExistsError, match="pass --resume to continue that run or --overwrite"):
+        run_distill(*options(folders, tmp_path / "resumed", eval_tokens=0))
+    run_distill(*options(folders, tmp_path / "resumed", eval_tokens=0, resume=True))
+    a = AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "model").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(tmp_path / "resumed" / "model").state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert (a[name] - b[name]).abs().max() <= 1e-5, name
+
+
+def test_a_nan_loss_stops_cleanly(folders, tmp_path, monkeypatch):
+    original = pipeline.LogitDistillation.forward
+    calls = {"n": 0}
+
+    def explode(self, input_ids):
+        calls["n"] += 1
+        loss, metrics = original(self, input_ids)
+        return (loss * float("nan") if calls["n"] > 12 else loss), metrics
+
+    monkeypatch.setattr(pipeline.LogitDistillation, "forward", explode)
+    with pytest.raises(NonFiniteLossError, match=r"stage 2 .*the loss became nan at step 13 .*step-0000010"):
+        run_distill(*options(folders, tmp_path / "run", eval_tokens=0, stages="2"))
+    assert not (tmp_path / "run" / "model").exists()
+    assert (tmp_path / "run" / "stage2" / "checkpoints" / "step-0000010").is_dir()
+
+
+def test_two_processes_match_one_with_the_same_global_batch(folders, tmp_path):
+    def launch(processes, out):
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--cpu",
+                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                   "-m", "delta_attention.scripts.distill", str(folders / "student"), "--output_dir", str(out),
+                   "--stages", "2", "--stage2_tokens", str(12 * 8 * 32), "--eval_tokens", "0", "--lora_r", "4",
+                   "--dataset", str(folders / "train.txt"), "--seq_len", "32", "--batch_size", "8",
+                   "--mixed_precision", "no", "--stage2_lr", "3e-3"]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return [r["loss"] for r in read_metrics(out / "stage2" / "metrics.jsonl")]
+
+    single, double = launch(1, tmp_path / "one"), launch(2, tmp_path / "two")
+    assert len(single) == len(double) == 12
+    for a, b in zip(single, double):
+        assert b == pytest.approx(a, rel=2e-3, abs=2e-4)
