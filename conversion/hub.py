@@ -69,6 +69,28 @@ def _stage(folder: Path, staging: Path) -> None:
         (shutil.copytree if item.is_dir() else shutil.copy2)(item, staging / item.name)
 
 
+def _without_local_paths(value, replacement):
+    """`value` (JSON data) with every absolute local path replaced by `replacement(path)`."""
+    if isinstance(value, dict):
+        return {k: _without_local_paths(v, replacement) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_local_paths(v, replacement) for v in value]
+    if isinstance(value, str) and os.path.isabs(value):
+        return replacement(value)
+    return value
+
+
+def scrub_local_paths(staging: Path, base_model: str | None) -> None:
+    """Keep this machine's paths out of the pushed JSON files (the recorded conversion source, mostly)."""
+    for name in ("config.json", "conversion.json"):
+        path = staging / name
+        if path.is_file():
+            data = json.loads(path.read_text())
+            cleaned = _without_local_paths(data, lambda p: base_model or Path(p).name)
+            if cleaned != data:
+                path.write_text(json.dumps(cleaned, indent=2) + "\n")
+
+
 def _point_usage_at(text: str, repo_id: str) -> str:
     """Make every `from_pretrained("...")` in the card's code load from `repo_id`."""
     return re.sub(r'from_pretrained\(\s*"[^"]*"', f'from_pretrained("{repo_id}"', text)
@@ -129,6 +151,7 @@ def push(options: PushOptions) -> str:
                 config["base_model_name_or_path"] = options.base_model
                 adapter_config.write_text(json.dumps(config, indent=2))
             options = dataclasses.replace(options, base_model=config["base_model_name_or_path"])
+        scrub_local_paths(staging, options.base_model)
         model_card_for_push(staging, kind, options).save(staging / "README.md")
 
         api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None, token=token)

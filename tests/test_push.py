@@ -48,6 +48,10 @@ def model_folder(tmp_path_factory):
     tiny_delta_model(num_hidden_layers=4, layer_types=HYBRID_LAYERS, sliding_window=6).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     (folder / "README.md").write_text(CARD)
+    config = json.loads((folder / "config.json").read_text())
+    config["conversion_source"] = str(tmp_path_factory.getbasetemp() / "models" / "source.gguf")
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "conversion.json").write_text(json.dumps({"source": {"spec": config["conversion_source"], "kind": "gguf"}}))
     return folder
 
 
@@ -78,6 +82,10 @@ def test_push_commits_weights_code_config_tokenizer_and_our_card(hub, model_fold
     assert metadata["model-index"][0]["results"][0]["metrics"][0]["value"] == 12.5
     assert 'from_pretrained("me/tiny-delta")' in card_text and "some/local/folder" not in card_text
     assert TOKEN not in card_text and all(TOKEN.encode() not in content for content in files.values())
+    # no path of the pushing machine leaves it: the recorded source becomes the base model's Hub id
+    assert all(str(model_folder.parent).encode() not in content for content in files.values())
+    assert json.loads(files["config.json"])["conversion_source"] == "HuggingFaceTB/SmolLM2-135M"
+    assert json.loads(files["conversion.json"])["source"]["spec"] == "HuggingFaceTB/SmolLM2-135M"
     assert ModelCard(card_text).data.base_model == "HuggingFaceTB/SmolLM2-135M"
 
 
