@@ -36,6 +36,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_delta import DeltaConfig
+from .delta_prefill import prefill_in_pieces, wants_pieces
 from .delta_rule import chunk_delta_rule, recurrent_delta_rule
 
 
@@ -417,6 +418,8 @@ class DeltaForCausalLM(DeltaPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+    # prompts longer than this are prefilled in pieces of this many tokens when no gradient is needed (0: never)
+    prefill_piece_size = 8192
 
     def __init__(self, config: DeltaConfig):
         super().__init__(config)
@@ -438,6 +441,11 @@ class DeltaForCausalLM(DeltaPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
+        if wants_pieces(self, input_ids, inputs_embeds, attention_mask, position_ids, labels, logits_to_keep, kwargs):
+            # long prompt, no gradient: run it `prefill_piece_size` tokens at a time (memory independent of length)
+            return prefill_in_pieces(
+                self, input_ids, inputs_embeds, attention_mask, position_ids, cache, use_cache, logits_to_keep, **kwargs
+            )
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
