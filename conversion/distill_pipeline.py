@@ -213,7 +213,7 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
                              "heldout_ppl": result.evaluations[-1]["heldout_ppl"] if result.evaluations else None}
         if options.output == "merged":
             merged = peft_model.merge_and_unload()
-            atomic_save(lambda folder: save_model_and_tokenizer(merged, tokenizer, folder), out / "model")
+            atomic_save(lambda folder: _save_distilled(merged, tokenizer, folder, options, results), out / "model")
         else:
             atomic_save(peft_model.save_pretrained, out / "adapter")
         _write_results(out, results)
@@ -223,6 +223,19 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
         plot_metrics(runs, out / "metrics.png", title=f"distilling {Path(options.student).name}")
     print(results_table(results))
     return results
+
+
+def _save_distilled(model, tokenizer, folder: Path, options: DistillOptions, results: dict) -> None:
+    """The merged model with its tokenizer, the conversion record and a card with the recipe and results."""
+    from .distill_card import distilled_card
+
+    save_model_and_tokenizer(model, tokenizer, folder)
+    record_path = Path(options.student) / "conversion.json"
+    if record_path.is_file():
+        shutil.copy2(record_path, folder / "conversion.json")
+        name = f"{Path(options.student).name}-distilled"
+        card = distilled_card(json.loads(record_path.read_text()), results, name, options.eval_dataset)
+        card.save(folder / "README.md")
 
 
 def _write_results(out: Path, results: dict) -> None:

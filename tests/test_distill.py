@@ -87,6 +87,13 @@ def test_both_stages_lower_their_losses_and_write_a_reloadable_model(folders, tm
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")
     assert type(model).__name__ == "DeltaForCausalLM" and not any("lora" in n for n, _ in model.named_parameters())
     assert (tmp_path / "run" / "metrics.png").exists() and (tmp_path / "run" / "stage1" / "model").is_dir()
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(tmp_path / "run" / "model" / "README.md")
+    assert "| 2: logit distillation | 7,680 |" in card.text and "LoRA r=4" in card.text
+    assert card.data.eval_results[0].metric_type == "perplexity"
+    assert card.data.eval_results[0].metric_value == pytest.approx(results["stage2"]["heldout_ppl"], abs=1e-3)
+    assert "distilled" in card.data.tags and "not been trained" not in card.text
 
 
 def test_killed_during_stage_2_and_resumed_gives_the_same_weights(folders, tmp_path, monkeypatch):
