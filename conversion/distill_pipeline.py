@@ -114,8 +114,8 @@ def _load_teacher(options: DistillOptions, student):
     spec = options.teacher or getattr(student.config, SOURCE_ATTRIBUTE, None)
     if not spec:
         raise ValueError(f"{options.student} does not record its source model; pass --teacher SOURCE")
-    source = load_source(spec)
-    teacher = source.model.float().eval()
+    source = load_source(spec, dtype=torch.float32)
+    teacher = source.model.eval()
     freeze_all(teacher)
     return teacher, source.tokenizer
 

@@ -50,8 +50,8 @@ def load_model_and_tokenizer(spec: str, dtype: torch.dtype = torch.float32):
     from .sources import load_source
 
     if str(spec).lower().endswith(".gguf"):
-        source = load_source(spec)
-        return source.model.to(dtype).eval(), source.tokenizer
+        source = load_source(spec, dtype=dtype)
+        return source.model.eval(), source.tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not Path(spec).exists() and "/" not in str(spec):

@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "evaluate": ("delta_attention.scripts.evaluate", "perplexity, passkey retrieval, speed and memory"),
     "push": ("delta_attention.scripts.push", "push a model or adapter folder to the Hub"),
     "benchmark": ("delta_attention.scripts.benchmark", "kernel, decode, prefill and long-context benchmarks"),
+    "bench-distill": ("delta_attention.scripts.bench_distill", "distil SmolLM2 hybrid and all-delta in a time budget"),
 }
 
 

@@ -1,0 +1,183 @@
+"""Distillation benchmark: SmolLM2-135M converted hybrid and all-delta, distilled within a time budget.
+
+For each layout it converts the offline GGUF (calibrated init), measures the tokens/s of both stages and of
+plain full fine-tuning of the teacher (bf16 autocast) with a few probe steps, turns the time budget into
+token budgets, runs `distill` with held-out evaluations along the way, and reports held-out perplexity
+against tokens seen. Writes `results.json`, `results.md` and `distill.png` under `--output_dir`.
+
+    python -m delta_attention.scripts.bench_distill --minutes_per_model 60
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+LAYOUTS = {"hybrid": "0.25", "all-delta": "0"}
+
+
+@dataclasses.dataclass
+class BenchDistillOptions:
+    output_dir: str = dataclasses.field(default="results/distill", metadata={"help": "results folder"})
+    layouts: str = dataclasses.field(default="hybrid,all-delta", metadata={"help": "hybrid and/or all-delta"})
+    minutes_per_model: float = dataclasses.field(default=60.0, metadata={"help": "training time per model"})
+    stage1_share: float = dataclasses.field(default=0.4, metadata={"help": "share of the time spent in stage 1"})
+    seq_len: int = dataclasses.field(default=512, metadata={"help": "training sequence length"})
+    batch_size: int = dataclasses.field(default=4, metadata={"help": "blocks per step"})
+    evaluations: int = dataclasses.field(default=5, metadata={"help": "held-out evaluations per stage"})
+    eval_tokens: int = dataclasses.field(default=8192, metadata={"help": "held-out tokens per evaluation"})
+    probe_steps: int = dataclasses.field(default=3, metadata={"help": "timed steps per speed probe"})
+
+
+def _probe(run, steps: int) -> float:
+    """Tokens/s of `run(steps)` after one warm-up step; `run` returns the tokens it processed."""
+    run(1)
+    started = time.perf_counter()
+    tokens = run(steps)
+    return tokens / (time.perf_counter() - started)
+
+
+def teacher_finetune_speed(teacher, blocks: torch.Tensor, steps: int) -> float:
+    """Tokens/s of plain full fine-tuning of the teacher (AdamW, bf16 autocast), the reference of the issue."""
+    optimizer = torch.optim.AdamW(teacher.parameters(), lr=1e-6)
+    state = {k: v.clone() for k, v in teacher.state_dict().items()}
+
+    batch = blocks[:4]
+
+    def run(n):
+        for _ in range(n):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = teacher(input_ids=batch, labels=batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return n * batch.numel()
+
+    teacher.train()
+    speed = _probe(run, steps)
+    teacher.load_state_dict(state)
+    teacher.eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return speed
+
+
+def run(options: BenchDistillOptions) -> int:
+    from delta_attention.conversion.assets import smollm2_gguf_path
+    from delta_attention.conversion.convert import ConversionSettings, convert
+    from delta_attention.conversion.distill_pipeline import DistillOptions, run_distill
+    from delta_attention.conversion.metrics import read_metrics
+    from delta_attention.conversion.sources import load_source
+    from delta_attention.conversion.text_data import DataOptions, training_blocks
+    from delta_attention.conversion.training import TrainingOptions
+
+    out = Path(options.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    gguf = str(smollm2_gguf_path())
+    source = load_source(gguf, dtype=torch.float32)
+    data = DataOptions(dataset="builtin:train", seq_len=options.seq_len)
+    blocks = training_blocks(data, source.tokenizer)
+    for p in source.model.parameters():
+        p.requires_grad_(True)
+    report = {"threads": torch.get_num_threads(), "minutes_per_model": options.minutes_per_model,
+              "seq_len": options.seq_len, "batch_size": options.batch_size,
+              "teacher_finetune_tokens_per_s": teacher_finetune_speed(source.model, blocks, options.probe_steps),
+              "models": {}}
+    print(f"teacher full fine-tuning (bf16): {report['teacher_finetune_tokens_per_s']:.0f} tokens/s")
+    training = TrainingOptions(batch_size=options.batch_size, mixed_precision="bf16")
+    step_tokens = options.batch_size * options.seq_len
+
+    for layout in [name.strip() for name in options.layouts.split(",")]:
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {layout!r}; choose from {list(LAYOUTS)}")
+        converted = out / layout / "converted"
+        if not converted.is_dir():
+            convert(source, out=converted, settings=ConversionSettings(keep_attention=LAYOUTS[layout],
+                                                                       dtype="float32"))
+        # speed probes: a few steps of each stage
+        speeds = {}
+        for stage in (1, 2):
+            probe = out / layout / f"probe{stage}"
+            tokens = (options.probe_steps + 1) * step_tokens
+            started = time.perf_counter()
+            run_distill(DistillOptions(student=str(converted), teacher=gguf, output_dir=str(probe), overwrite=True,
+                                       stages=str(stage), stage1_tokens=tokens, stage2_tokens=tokens, eval_tokens=0),
+                        data, training)
+            records = read_metrics(probe / f"stage{stage}" / "metrics.jsonl")
+            speeds[stage] = records[-1]["tokens_per_s"]
+            print(f"{layout} stage {stage}: {speeds[stage]:.0f} tokens/s (probe {time.perf_counter() - started:.0f} s)")
+        budget = options.minutes_per_model * 60
+        stage1_tokens = int(speeds[1] * budget * options.stage1_share) // step_tokens * step_tokens
+        stage2_tokens = int(speeds[2] * budget * (1 - options.stage1_share)) // step_tokens * step_tokens
+        started = time.perf_counter()
+        distill = DistillOptions(student=str(converted), teacher=gguf, output_dir=str(out / layout / "run"),
+                                 overwrite=True, stage1_tokens=stage1_tokens, stage2_tokens=stage2_tokens,
+                                 eval_tokens=options.eval_tokens)
+        run_training_options = dataclasses.replace(training)
+        run_training_options.eval_every_tokens = max(step_tokens, min(stage1_tokens, stage2_tokens) // options.evaluations)
+        results = run_distill(distill, data, run_training_options)
+        results["wall_seconds"] = time.perf_counter() - started
+        results["probe_tokens_per_s"] = speeds
+        curve = [{"stage": 0, "tokens": 0, "heldout_ppl": results["converted_ppl"]}]
+        offset = 0
+        for stage in (1, 2):
+            for record in read_metrics(out / layout / "run" / f"stage{stage}" / "metrics.jsonl"):
+                if "heldout_ppl" in record:
+                    curve.append({"stage": stage, "tokens": offset + record["tokens"],
+                                  "heldout_ppl": record["heldout_ppl"]})
+            offset += results[f"stage{stage}"]["tokens"]
+        results["curve"] = curve
+        report["models"][layout] = results
+        (out / "results.json").write_text(json.dumps(report, indent=1))
+
+    (out / "results.md").write_text(markdown(report))
+    plot(report, out / "distill.png")
+    print(markdown(report))
+    return 0
+
+
+def markdown(report: dict) -> str:
+    lines = [f"Threads: {report['threads']}; {report['minutes_per_model']:g} min per model; sequence "
+             f"{report['seq_len']}, batch {report['batch_size']}. Teacher full fine-tuning (bf16): "
+             f"{report['teacher_finetune_tokens_per_s']:.0f} tokens/s.", "",
+             "| model | teacher ppl | untrained | after stage 1 | after stage 2 | vs teacher | stage 1 tok/s | "
+             "stage 2 tok/s | tokens (1 + 2) | wall |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in report["models"].items():
+        s1, s2 = r["stage1"], r["stage2"]
+        lines.append(
+            f"| {name} | {r['teacher_ppl']:.2f} | {r['converted_ppl']:.1f} | {s1['heldout_ppl']:.2f} | "
+            f"{s2['heldout_ppl']:.2f} | {s2['heldout_ppl'] / r['teacher_ppl']:.2f}x | {s1['tokens_per_s']:.0f} | "
+            f"{s2['tokens_per_s']:.0f} | {s1['tokens']:,} + {s2['tokens']:,} | {r['wall_seconds'] / 60:.0f} min |")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for name, r in report["models"].items():
+        axis.plot([c["tokens"] for c in r["curve"]], [c["heldout_ppl"] for c in r["curve"]], "o-", label=name)
+    teacher = next(iter(report["models"].values()))["teacher_ppl"]
+    axis.axhline(teacher, color="black", linestyle="--", label="teacher")
+    axis.set(xlabel="tokens seen (stage 1 then stage 2)", ylabel="held-out perplexity", yscale="log",
+             title="SmolLM2-135M distilled on 2 CPU cores")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+Options = BenchDistillOptions
+
+if __name__ == "__main__":
+    from delta_attention.scripts.cli import main
+
+    sys.exit(main(["bench-distill", *sys.argv[1:]]))
