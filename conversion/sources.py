@@ -176,12 +176,19 @@ def load_source(spec, dtype: str | torch.dtype = "auto", with_tokenizer: bool = 
     model.eval()
     check_layout(model)
     tokenizer = None
-    if with_tokenizer:
+    if with_tokenizer and (ref.kind != "folder" or _has_tokenizer_files(Path(ref.path))):
         try:
             tokenizer = AutoTokenizer.from_pretrained(ref.path, **kwargs)
         except (OSError, ValueError, TypeError):
             tokenizer = None
     return Source(ref, model, tokenizer)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def _has_tokenizer_files(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in _TOKENIZER_FILES)
 
 
 def source_layer_types(config) -> list[str]:
