@@ -1,22 +1,22 @@
 """Fast chunkwise delta rule for CPUs: batched matmuls over (batch, head, chunk) and a chunked backward.
 
-The maths is the WY / UT form of `delta_rule.py` (and DESIGN.md section 3.3), reorganised so that everything
-except one small state recurrence is a batched matmul over all chunks at once. Per chunk of C tokens, with
-`G` the chunk-local cumulative log-decay, `S` the state entering the chunk and `b` the betas:
+The maths is the WY / UT form of DESIGN.md section 3.3. Per chunk of C tokens, with `G` the chunk-local
+cumulative log-decay (per head or per key channel), `S` the state entering the chunk and `b` the betas:
 
-    M  = tril(Q K^T . Gamma)                         (inclusive causal, decayed scores)
-    A  = strict_tril(diag(b) K K^T . Gamma),   T = (I + A)^-1
-    U  = T diag(b) V,                          W = T diag(b) (K . exp(G))
-    Qe = Q . exp(G) - M W,                     O = Qe S + M U
-    P  = Diag(exp(G_C)) - Ke^T W,              R = Ke^T U,      Ke = K . exp(G_C - G)
-    S_next = P S + R
+    M  = tril(Q K^T . Gamma)                          (decayed causal scores, Gamma = exp(G_t - G_i))
+    A  = strict_tril(diag(b) K K^T . Gamma),    T = (I + A)^-1
+    U  = T diag(b) V,                           W = T diag(b) (K . exp(G))
+    V' = U - W S,                               O = (Q . exp(G)) S + M V'
+    S_next = exp(G_C) S + (K . exp(G_C - G))^T V'
 
-so the only sequential work is `S_next = P S + R` (one [K, K] x [K, V] matmul per chunk). The backward runs the
-same recurrence in reverse for the state gradient (`dS = Qe^T dO + P^T dS_next`) and is otherwise batched too.
+Everything except V' and S_next is one batched matmul (or elementwise op) over all chunks at once; the loop over
+chunks does two small matmuls per chunk. The backward recomputes the intra-chunk terms, runs the state gradient
+through the chunks in reverse (the same two matmuls) and is otherwise batched too. It saves only the chunked
+inputs, the state entering each chunk and V'.
 
-Tensors live in a chunked layout [B, H, N, C, D]. q and k share one buffer [B, H, N, 2, C, K] so that the two
-score matrices come out of one matmul. With bf16 inputs the matmuls run in bf16 (this CPU has fast bf16 dot
-products), while the decays, the triangular inverse, the state recurrence and its P and R stay float32.
+Tensors live in a chunked layout [B, H, N, C, D]. q and k share one buffer [B, H, N, 2, C, K] so that both score
+matrices come out of one matmul. With bf16 inputs the matmuls run in bf16 (this CPU has fast bf16 dot products)
+while decays, the triangular inverse and the state stay float32.
 """
 
 from __future__ import annotations
@@ -117,8 +117,8 @@ class _Scores:
       exp(-LOG_SPAN_LIMIT): factored through the log-decay at the start of each row's sub-block.
     (A per-channel decay beyond that takes the exact elementwise path of `delta_rule.py`.)
 
-    `forward()` gives float32 [..., 2, C, C]: [0] = Q K^T . Gamma masked to i <= t, [1] = K K^T . Gamma with only
-    its strict lower triangle meaningful (the rest is finite garbage that the callers never read).
+    `forward()` gives [..., 2, C, C]: [0] = Q K^T . Gamma masked to i <= t, [1] = K K^T . Gamma with only its
+    strict lower triangle meaningful (the rest is finite garbage that the callers never read).
     """
 
     def __init__(self, qk, qk_decayed, log_decay, decay, channel: bool):
@@ -133,7 +133,8 @@ class _Scores:
         if bool((last.amin() >= -LOG_SPAN_LIMIT).item()):
             self.mode = "factored"
             self.inverse_decay = (-log_decay).exp_()
-            self.right = (self.k * _per_token(self.inverse_decay, channel)).to(qk.dtype)  # K . exp(-G)
+            self.right = torch.empty_like(self.k)
+            torch.mul(self.k, _per_token(self.inverse_decay, channel), out=self.right)  # K . exp(-G)
         elif not channel:
             self.mode = "gamma"
             gamma = log_decay[..., :, None] - log_decay[..., None, :]
@@ -152,17 +153,17 @@ class _Scores:
             self.y = (self.k[..., None, :, :] * right).to(qk.dtype)  # [..., n_sub, C, K]
 
     def forward(self) -> torch.Tensor:
+        """[..., 2, C, C] in the matmul dtype (float32 for "gamma"), M masked (see the class docstring)."""
         if self.mode == "factored":
             scores = self.qk_decayed.flatten(-3, -2) @ self.right.mT  # [..., 2C, C]
-            scores = scores.unflatten(-2, (2, self.chunk)).float()
-            scores[..., 0, :, :].masked_fill_(~self.mask, 0.0)
-            return scores
-        if self.mode == "gamma":
+            scores = scores.unflatten(-2, (2, self.chunk))
+        elif self.mode == "gamma":
             scores = (self.qk.flatten(-3, -2) @ self.k.mT).unflatten(-2, (2, self.chunk))  # [..., 2, C, C]
             return scores * self.gamma[..., None, :, :]
-        n_sub, sub = self.chunk // self.sub, self.sub
-        x = self.x.unflatten(-2, (n_sub, sub))  # [..., 2, n_sub, sub, K]
-        scores = (x @ self.y.mT[..., None, :, :, :]).flatten(-3, -2).float()  # [..., 2, C, C]
+        else:
+            n_sub, sub = self.chunk // self.sub, self.sub
+            x = self.x.unflatten(-2, (n_sub, sub))  # [..., 2, n_sub, sub, K]
+            scores = (x @ self.y.mT[..., None, :, :, :]).flatten(-3, -2)  # [..., 2, C, C]
         scores[..., 0, :, :].masked_fill_(~self.mask, 0.0)
         return scores
 
@@ -209,7 +210,7 @@ class _Scores:
 
 
 class _ChunkTerms:
-    """Everything a chunk needs that does not depend on the state entering it (see the module docstring)."""
+    """What a chunk needs that does not depend on the state entering it: decays, scores and the UT transform."""
 
     def __init__(self, qk, v, beta, log_decay, for_backward: bool = False):
         mm = qk.dtype
@@ -229,104 +230,132 @@ class _ChunkTerms:
             self.qk_decayed = torch.empty_like(qk)
             torch.mul(qk, _per_token(self.decay, channel)[..., None, :, :], out=self.qk_decayed)  # [Q; K] . exp(G)
             self.k_to_end = torch.empty_like(k)
-            torch.mul(k, _per_token(self.decay_to_end, channel), out=self.k_to_end)
+            torch.mul(k, _per_token(self.decay_to_end, channel), out=self.k_to_end)  # K . exp(G_C - G)
 
         self.scores = _Scores(qk, self.qk_decayed, log_decay, self.decay, channel)
         gated = self.scores.forward()  # [..., 2, C, C]: M, then K K^T . Gamma
-        a = gated[..., 1, :, :] * beta[..., :, None]
+        a = gated[..., 1, :, :] * beta[..., :, None]  # float32 (beta is)
         self.m = gated[..., 0, :, :].to(mm)
         self.inverse = unit_lower_inverse(a)
         if for_backward:
-            self.gated = gated
+            self.gated = gated.float()
 
         rhs = torch.empty(*v.shape[:-1], value_dim + k.shape[-1], dtype=mm, device=v.device)
         torch.mul(v, beta[..., None], out=rhs[..., :value_dim])
         torch.mul(self.qk_decayed[..., 1, :, :], beta[..., None], out=rhs[..., value_dim:])
         self.uw = self.inverse.to(mm) @ rhs  # [..., C, V + K]: U then W
-        muw = self.m @ self.uw  # [..., C, V + K]: M U then M W
-        self.mu = muw[..., :value_dim]
-        self.q_eff = torch.sub(self.qk_decayed[..., 0, :, :], muw[..., value_dim:])  # Qe = Q . exp(G) - M W
-        keuw = (self.k_to_end.mT @ self.uw).float()  # [..., K, V + K]
-        self.r = keuw[..., :value_dim]
-        self.p = keuw[..., value_dim:].neg_()  # P = Diag(exp(G_C)) - Ke^T W
-        diagonal = self.p.diagonal(dim1=-2, dim2=-1)  # [..., K] view
+
+    def flat(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, H, N, ...] -> [B*H, N, ...]"""
+        return x.flatten(0, 1)
+
+    def chunk_decay(self, flat_heads: int, n_chunks: int) -> torch.Tensor | None:
+        """exp(G_C) shaped to scale [BH, N, K, V] states: [BH, N, K, 1] (per channel) or [BH, N, 1, 1]."""
         if self.decay_chunk is None:
-            diagonal += 1.0
+            return None
+        decay = self.decay_chunk.reshape(flat_heads, n_chunks, -1)
+        return decay[..., None] if self.channel else decay[..., None, :]
+
+
+def _scan_forward(terms: _ChunkTerms, state: torch.Tensor, value_dim: int):
+    """The sequential part: per chunk V' = U - W S, then S <- exp(G_C) S + Ke^T V'.
+
+    Returns the states entering every chunk [BH, N, K, V] (float32), V' [BH, N, C, V] (matmul dtype) and the
+    final state [BH, K, V]. The state is float32; with bf16 inputs the two matmuls run in bf16 and their products
+    are added to the float32 state. (A variant that precomputes P = Diag(exp(G_C)) - Ke^T W and R = Ke^T U, leaving
+    one matmul per chunk, measured 15-30% slower in float32 and no faster in bf16: it costs two more batched
+    matmuls, M W and Ke^T W, than the sequential matmul it saves.)
+    """
+    mm = terms.uw.dtype
+    uw = terms.flat(terms.uw)  # [BH, N, C, V + K]
+    flat_heads, n_chunks, chunk = uw.shape[:3]
+    key_dim = uw.shape[-1] - value_dim
+    u, w = uw[..., :value_dim], uw[..., value_dim:]
+    k_to_end = terms.flat(terms.k_to_end)  # [BH, N, C, K]
+    decay = terms.chunk_decay(flat_heads, n_chunks)
+    states = torch.empty(flat_heads, n_chunks, key_dim, value_dim, dtype=torch.float32, device=uw.device)
+    v_new = torch.empty(flat_heads, n_chunks, chunk, value_dim, dtype=mm, device=uw.device)
+    current = state.reshape(flat_heads, key_dim, value_dim)
+    for n in range(n_chunks):
+        states[:, n] = current
+        torch.baddbmm(u[:, n], w[:, n], current.to(mm), alpha=-1, out=v_new[:, n])
+        current = current * decay[:, n] if decay is not None else current.clone()
+        if mm == torch.float32:
+            current.baddbmm_(k_to_end[:, n].mT, v_new[:, n])
         else:
-            diagonal += self.decay_chunk if channel else self.decay_chunk[..., None]
-
-
-def _scan_states(p: torch.Tensor, r: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """States entering every chunk, [BH, N, K, V], and the final state, from S_next = P S + R (float32)."""
-    bh, n_chunks = p.shape[:2]
-    states = torch.empty(bh, n_chunks, *state.shape[-2:], dtype=torch.float32, device=state.device)
-    states[:, 0] = state
-    for n in range(n_chunks - 1):
-        torch.baddbmm(r[:, n], p[:, n], states[:, n], out=states[:, n + 1])
-    final = torch.baddbmm(r[:, -1], p[:, -1], states[:, -1])
-    return states, final
+            current += torch.bmm(k_to_end[:, n].mT, v_new[:, n])
+    return states, v_new, current
 
 
 def chunk_forward(qk, v, beta, log_decay, state):
-    """Chunked delta rule on prepared chunks. Returns (o [B, H, N, C, V] unscaled, entering states, final state).
+    """Chunked delta rule on prepared chunks.
 
     qk: [B, H, N, 2, C, K] (q unscaled); v: [B, H, N, C, V]; beta: [B, H, N, C] float32;
     log_decay: None | [B, H, N, C] | [B, H, N, C, K] chunk-local cumsum, float32; state: [B, H, K, V] float32.
+    Returns (o [B, H, N, C, V] unscaled, entering states [BH, N, K, V], V' [BH, N, C, V], final state [B, H, K, V]).
     """
-    batch, heads, n_chunks = qk.shape[:3]
-    key_dim, value_dim = qk.shape[-1], v.shape[-1]
+    batch, heads, n_chunks, _, chunk, key_dim = qk.shape
+    value_dim = v.shape[-1]
+    mm = qk.dtype
     terms = _ChunkTerms(qk, v, beta, log_decay)
-    flat = batch * heads
-    states, final = _scan_states(
-        terms.p.reshape(flat, n_chunks, key_dim, key_dim),
-        terms.r.reshape(flat, n_chunks, key_dim, value_dim),
-        state.reshape(flat, key_dim, value_dim),
-    )
-    states = states.view(batch, heads, n_chunks, key_dim, value_dim)
-    out = torch.baddbmm(
-        terms.mu.reshape(-1, *terms.mu.shape[-2:]),
-        terms.q_eff.reshape(-1, *terms.q_eff.shape[-2:]),
-        states.to(qk.dtype).view(-1, key_dim, value_dim),
-    )
-    return out.view(*terms.mu.shape), states, final.view(batch, heads, key_dim, value_dim)
+    states, v_new, final = _scan_forward(terms, state, value_dim)
+    # O = Q . exp(G) S + M V'
+    q_decayed = terms.qk_decayed[..., 0, :, :].reshape(-1, chunk, key_dim)
+    out = torch.bmm(q_decayed, states.to(mm).view(-1, key_dim, value_dim))
+    out = torch.baddbmm(out, terms.m.reshape(-1, chunk, chunk), v_new.view(-1, chunk, value_dim))
+    return out.view(batch, heads, n_chunks, chunk, value_dim), states, v_new, final.view(batch, heads, key_dim, value_dim)
 
 
-def chunk_backward(qk, v, beta, log_decay, states, grad_out, grad_final):
-    """Gradients of the chunked delta rule. `grad_out` [B, H, N, C, V] is for the unscaled output.
+def _scan_backward(terms: _ChunkTerms, grad_out: torch.Tensor, grad_final: torch.Tensor | None, value_dim: int):
+    """The sequential part of the backward, in reverse: dV' = M^T dO + Ke dS_out and
+    dS_in = Q.exp(G)^T dO + exp(G_C) dS_out - W^T dV'. Returns dS at every chunk's end [BH, N, K, V] (float32),
+    dV' [BH, N, C, V] (matmul dtype) and the gradient of the initial state [BH, K, V]."""
+    mm = grad_out.dtype
+    uw = terms.flat(terms.uw)
+    flat_heads, n_chunks, chunk = uw.shape[:3]
+    key_dim = uw.shape[-1] - value_dim
+    w = uw[..., value_dim:]
+    k_to_end = terms.flat(terms.k_to_end)
+    decay = terms.chunk_decay(flat_heads, n_chunks)
+    # the parts that do not depend on the state gradient, batched over all chunks
+    m_grad = terms.flat(terms.m.mT @ grad_out)  # [BH, N, C, V]
+    q_grad = terms.flat((terms.qk_decayed[..., 0, :, :].mT @ grad_out).float())  # [BH, N, K, V]
+    grad_states = torch.empty(flat_heads, n_chunks, key_dim, value_dim, dtype=torch.float32, device=uw.device)
+    grad_v_new = torch.empty(flat_heads, n_chunks, chunk, value_dim, dtype=mm, device=uw.device)
+    current = uw.new_zeros(flat_heads, key_dim, value_dim, dtype=torch.float32)
+    if grad_final is not None:
+        current = grad_final.reshape(flat_heads, key_dim, value_dim).float()
+    for n in range(n_chunks - 1, -1, -1):
+        grad_states[:, n] = current
+        torch.baddbmm(m_grad[:, n], k_to_end[:, n], current.to(mm), out=grad_v_new[:, n])
+        back = torch.bmm(w[:, n].mT, grad_v_new[:, n])  # W^T dV'
+        current = (current * decay[:, n] if decay is not None else current) + q_grad[:, n] - back
+    return grad_states, grad_v_new, current
+
+
+def chunk_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_final):
+    """Gradients of the chunked delta rule. `grad_out` [B, H, N, C, V] is for the unscaled output; `states` and
+    `v_new` are what `chunk_forward` returned.
 
     Returns (dqk [B, H, N, 2, C, K], dv, dbeta, dlog_decay (cumulative, same shape as log_decay), dstate).
     """
     mm = qk.dtype
     batch, heads, n_chunks, _, chunk, key_dim = qk.shape
     value_dim = v.shape[-1]
+    chunked = (batch, heads, n_chunks)
     terms = _ChunkTerms(qk, v, beta, log_decay, for_backward=True)
     channel = terms.channel
-    flat = batch * heads
     grad_out = grad_out.to(mm)
+    grad_states, grad_v_new, grad_state = _scan_backward(terms, grad_out, grad_final, value_dim)
+    grad_state = grad_state.view(batch, heads, key_dim, value_dim)
 
-    # reverse state recurrence: dS_in = Qe^T dO + P^T dS_out
-    x = (terms.q_eff.mT @ grad_out).float().view(flat, n_chunks, key_dim, value_dim)
-    p = terms.p.view(flat, n_chunks, key_dim, key_dim)
-    grad_states = torch.empty(flat, n_chunks, key_dim, value_dim, dtype=torch.float32, device=qk.device)
-    if grad_final is None:
-        grad_states[:, -1].zero_()
-    else:
-        grad_states[:, -1] = grad_final.reshape(flat, key_dim, value_dim)
-    for n in range(n_chunks - 1, 0, -1):
-        torch.baddbmm(x[:, n], p[:, n].mT, grad_states[:, n], out=grad_states[:, n - 1])
-    grad_state = torch.baddbmm(x[:, 0], p[:, 0].mT, grad_states[:, 0]).view(batch, heads, key_dim, value_dim)
-    grad_states = grad_states.view(batch, heads, n_chunks, key_dim, value_dim)  # gradient at each chunk's end
-
-    states_mm, grad_states_mm = states.to(mm), grad_states.to(mm)
-    u, w = terms.uw[..., :value_dim], terms.uw[..., value_dim:]
-    v_new = (u - w @ states_mm).to(mm)  # V' = U - W S: [..., C, V]
-    grad_v_new = terms.m.mT @ grad_out + terms.k_to_end @ grad_states_mm  # [..., C, V]
-    # [dO; dV'] S^T: gradient of Q . exp(G) and minus that of W, in one matmul
-    stacked = torch.cat([grad_out, grad_v_new.to(mm)], dim=-2) @ states_mm.mT  # [..., 2C, K]
+    states_mm = states.to(mm).view(*chunked, key_dim, value_dim)
+    grad_states_mm = grad_states.to(mm).view(*chunked, key_dim, value_dim)
+    grad_v_new, v_new = grad_v_new.view(*chunked, chunk, value_dim), v_new.view(*chunked, chunk, value_dim)
+    grad_q_decayed = (grad_out @ states_mm.mT).float()  # [..., C, K]
     grad_m = (grad_out @ v_new.mT).float().tril_()  # [..., C, C]
     grad_k_to_end = (v_new @ grad_states_mm.mT).float()  # [..., C, K]
-
-    grad_uw = torch.cat([grad_v_new.to(mm), stacked[..., chunk:, :].neg()], dim=-1)  # [dU | dW]: [..., C, V + K]
+    grad_uw = torch.cat([grad_v_new, -(grad_v_new @ states_mm.mT)], dim=-1)  # [dU | dW]: [..., C, V + K]
     grad_rhs = (terms.inverse.to(mm).mT @ grad_uw).float()  # [..., C, V + K]
     grad_a = (grad_rhs.to(mm) @ terms.uw.mT).float().neg_().tril_(-1)  # [..., C, C]
 
@@ -338,7 +367,7 @@ def chunk_backward(qk, v, beta, log_decay, states, grad_out, grad_final):
 
     # gradients with respect to [Q; K] . exp(G): from the output and from the right-hand side of the solve
     grad_qk_decayed = torch.empty(*qk.shape, dtype=torch.float32, device=qk.device)
-    grad_qk_decayed[..., 0, :, :] = stacked[..., :chunk, :]
+    grad_qk_decayed[..., 0, :, :] = grad_q_decayed
     torch.mul(rhs_k, beta[..., None], out=grad_qk_decayed[..., 1, :, :])
 
     grad_scores = torch.stack([grad_m, grad_a * beta[..., :, None]], dim=-3)  # [..., 2, C, C]
@@ -358,7 +387,7 @@ def chunk_backward(qk, v, beta, log_decay, states, grad_out, grad_final):
     from_decayed = _to_decay_shape((grad_qk_decayed * terms.qk_decayed).sum(-3), channel)
     to_end = _to_decay_shape(grad_k_to_end * terms.k_to_end, channel)  # [..., C(, K)]
     grad_log = from_decayed - to_end if grad_log is None else grad_log + from_decayed - to_end
-    grad_decay_chunk = (states * grad_states).sum(-1)  # [..., K]
+    grad_decay_chunk = (states.view(*chunked, key_dim, value_dim) * grad_states.view_as(states_mm)).sum(-1)
     if not channel:
         grad_decay_chunk = grad_decay_chunk.sum(-1)
     last = grad_log[..., -1:, :] if channel else grad_log[..., -1:]
@@ -397,21 +426,21 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
             state = q.new_zeros((batch, heads, key_dim, value_dim), dtype=torch.float32)
         else:
             state = initial_state.float()
-        o, states, final = chunk_forward(qk, v_c, beta_c, log_decay, state)
-        ctx.save_for_backward(qk, v_c, beta_c, log_decay, states)
+        o, states, v_new, final = chunk_forward(qk, v_c, beta_c, log_decay, state)
+        ctx.save_for_backward(qk, v_c, beta_c, log_decay, states, v_new)
         ctx.meta = (seq_len, scale, q.dtype, k.dtype, v.dtype, beta.dtype, None if g is None else g.dtype,
                     initial_state is not None)
         return from_chunks(o, seq_len, v.dtype, scale), final
 
     @staticmethod
     def backward(ctx, grad_out, grad_final):
-        qk, v_c, beta_c, log_decay, states = ctx.saved_tensors
+        qk, v_c, beta_c, log_decay, states, v_new = ctx.saved_tensors
         seq_len, scale, q_dtype, k_dtype, v_dtype, beta_dtype, g_dtype, has_state = ctx.meta
         chunk = qk.shape[-2]
         grad_out_c = to_chunks(grad_out, chunk, qk.dtype)
         grad_out_c.mul_(scale)
         grad_qk, grad_v, grad_beta, grad_log, grad_state = chunk_backward(
-            qk, v_c, beta_c, log_decay, states, grad_out_c, grad_final
+            qk, v_c, beta_c, log_decay, states, v_new, grad_out_c, grad_final
         )
         grad_g = None
         if grad_log is not None:
