@@ -1,0 +1,237 @@
+"""Model benchmarks: decode ms/token and cache bytes at long contexts, prefill tokens/s, and a 1M-token prompt.
+
+Three SmolLM2-135M-shaped models (30 layers, hidden 576, 9 heads, 3 KV heads, intermediate 1536, vocab 49152,
+random weights): all-delta, hybrid (every 4th layer softmax, layers 0, 4, ..., 28) and the same-size
+`LlamaForCausalLM` with sdpa. For decode the caches are synthesized: random tensors of the right shapes for a
+given context (a real 64k-token prefill of the Llama would dominate the run), then real decode steps on top.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+
+import torch
+
+from .bench_kernels import timed
+
+
+SMOLLM2_SHAPE = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, head_dim=64, tie_word_embeddings=True, max_position_embeddings=1 << 21,
+    rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+)
+
+
+def build_models(dtype: torch.dtype, shape: dict | None = None, which=("delta", "hybrid", "llama")) -> dict:
+    """The models by name, eval mode, random weights of a fixed seed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from delta_attention import DeltaConfig, DeltaForCausalLM
+
+    shape = dict(SMOLLM2_SHAPE if shape is None else shape)
+    layers = shape["num_hidden_layers"]
+    models = {}
+    torch.manual_seed(0)
+    if "delta" in which:
+        models["delta"] = DeltaForCausalLM(DeltaConfig(**shape, layer_types=["linear_attention"] * layers))
+    if "hybrid" in which:
+        kinds = ["full_attention" if i % 4 == 0 else "linear_attention" for i in range(layers)]
+        models["hybrid"] = DeltaForCausalLM(DeltaConfig(**shape, layer_types=kinds))
+    if "llama" in which:
+        models["llama"] = LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="sdpa"))
+    return {name: model.to(dtype).eval() for name, model in models.items()}
+
+
+def cache_bytes(cache) -> int:
+    """Bytes held by a cache's tensors (keys/values, conv and recurrent states)."""
+    total = 0
+    for layer in cache.layers:
+        for name in ("keys", "values", "conv_states", "recurrent_states"):
+            value = getattr(layer, name, None)
+            for tensor in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(tensor, torch.Tensor):
+                    total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def synthesized_cache(model, context: int, static_steps: int | None = None):
+    """A cache that looks as if `context` tokens had been prefilled: random keys/values and states.
+
+    With `static_steps`, a `StaticCache` of `context + static_steps` slots (keys/values written in place each step);
+    otherwise the `DynamicCache` that `generate` uses by default.
+    """
+    from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin, StaticCache
+
+    config = model.config
+    dtype = next(model.parameters()).dtype
+    generator = torch.Generator().manual_seed(1)
+    if static_steps is None:
+        cache = DynamicCache(config=config)
+    else:
+        cache = StaticCache(config=config, max_cache_len=context + static_steps)
+    kv_shape = (1, config.num_key_value_heads, context, config.head_dim)
+    for index, layer in enumerate(cache.layers):
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            attention = model.model.layers[index].self_attn
+            if attention.conv_kernel_size:
+                conv = torch.randn(1, attention.conv1d.weight.shape[0], attention.conv_kernel_size, generator=generator)
+                cache.update_conv_state(conv.to(dtype), index, conv_kernel_size=attention.conv_kernel_size)
+            state = torch.randn(1, attention.num_heads, attention.key_head_dim, attention.value_head_dim, generator=generator)
+            cache.update_recurrent_state(state * 0.1, index)
+            layer.has_previous_state[0] = True
+        else:
+            keys = torch.randn(kv_shape, generator=generator).to(dtype)
+            values = torch.randn(kv_shape, generator=generator).to(dtype)
+            if static_steps is None:
+                cache.update(keys, values, index)
+            else:
+                layer.lazy_initialization(keys[:, :, :1], values[:, :, :1])
+                layer.keys[:, :, :context] = keys
+                layer.values[:, :, :context] = values
+                layer.cumulative_length.fill_(context)
+    if all(cache.is_linear):
+        cache.layers[0].delta_seen_tokens = context  # the all-delta model's own position count
+    return cache
+
+
+def decode_ms_per_token(model, cache, steps: int) -> float:
+    """Median ms of one greedy decode step (one token in, logits of one token out) on `cache`."""
+    token = torch.tensor([[17]])
+    times = []
+    with torch.no_grad():
+        for step in range(steps + 2):  # the first two are warm-up
+            begin = time.perf_counter()
+            logits = model(token, cache=cache, use_cache=True, logits_to_keep=1).logits
+            times.append(time.perf_counter() - begin)
+            token = logits[:, -1:].argmax(-1)
+    times = sorted(times[2:])
+    return times[len(times) // 2] * 1e3
+
+
+def run_decode_benchmark(models: dict, contexts, steps: int, log=print) -> dict:
+    rows = []
+    variants = [("delta", None), ("hybrid", None), ("hybrid", "static"), ("llama", None), ("llama", "static")]
+    for context in contexts:
+        for name, kind in variants:
+            if name not in models:
+                continue
+            label = name if kind is None else f"{name}+StaticCache"
+            cache = synthesized_cache(models[name], context, static_steps=steps + 4 if kind else None)
+            size = cache_bytes(cache)
+            ms = decode_ms_per_token(models[name], cache, steps)
+            rows.append({"model": label, "context": context, "ms_per_token": ms, "cache_bytes": size})
+            log(f"decode {label:20s} context {context:6d}: {ms:8.2f} ms/token, cache {size / 2**20:8.1f} MiB")
+            del cache
+            gc.collect()
+    return {"steps": steps, "cache": "synthesized (random tensors of the right shapes), then real decode steps",
+            "rows": rows}
+
+
+def prefill_tokens_per_second(model, length: int, vocab: int) -> float:
+    ids = torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        seconds = timed(lambda: model(ids, logits_to_keep=1), min_repeats=1, min_seconds=0.0)
+    return length / seconds
+
+
+def run_prefill_benchmark(models: dict, lengths, log=print) -> dict:
+    rows = []
+    for length in lengths:
+        for name, model in models.items():
+            rate = prefill_tokens_per_second(model, length, model.config.vocab_size)
+            rows.append({"model": name, "tokens": length, "tokens_per_second": rate})
+            log(f"prefill {name:8s} {length:6d} tokens: {rate:8.0f} tokens/s")
+            gc.collect()
+    return {"rows": rows}
+
+
+class PeakRSS:
+    """Samples the process's resident set size in a thread; `peak` is the highest seen (bytes)."""
+
+    def __init__(self, interval: float = 0.005):
+        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+
+    @staticmethod
+    def current() -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:  # not Linux: psutil if there
+            import psutil
+
+            return psutil.Process().memory_info().rss
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.current())
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        gc.collect()
+        self.baseline = self.current()
+        self.peak = self.baseline
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.current())
+
+
+LONG_MODEL_SHAPE = dict(
+    vocab_size=49152, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=4, head_dim=64, tie_word_embeddings=True,
+)
+
+
+def _long_prompt_child(length: int, dtype_name: str, threads: int, queue) -> None:
+    """In a fresh process: one prompt of `length` tokens through the small all-delta model; reports the time and
+    the process's peak RSS (so that what an earlier, shorter run left in the allocator does not count)."""
+    import resource
+
+    from delta_attention import DeltaConfig, DeltaForCausalLM
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = DeltaForCausalLM(DeltaConfig(**LONG_MODEL_SHAPE)).to(getattr(torch, dtype_name)).eval()
+    ids = torch.randint(3, LONG_MODEL_SHAPE["vocab_size"], (1, length), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model(ids[:, : min(length, 1024)], logits_to_keep=1)  # warm-up
+        with PeakRSS() as rss:
+            begin = time.perf_counter()
+            out = model(ids, logits_to_keep=1)
+            seconds = time.perf_counter() - begin
+    assert out.logits.shape == (1, 1, LONG_MODEL_SHAPE["vocab_size"])
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    queue.put({"tokens": length, "seconds": seconds, "tokens_per_second": length / seconds,
+               "peak_rss_bytes": max(max_rss, rss.peak), "rss_increase_bytes": rss.peak - rss.baseline,
+               "piece_size": DeltaForCausalLM.prefill_piece_size})
+
+
+def run_long_prompt_benchmark(tokens: int, reference_tokens: int, dtype: torch.dtype, log=print) -> dict:
+    """A `tokens`-long prompt through a small all-delta model, against the same model at `reference_tokens`:
+    wall time, tokens/s and peak RSS. Each length runs in its own fresh process (spawned by this one), so each
+    peak RSS is that prompt's alone: model, inputs and every temporary."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    rows = []
+    for length in (reference_tokens, tokens):
+        queue = context.Queue()
+        child = context.Process(target=_long_prompt_child, args=(length, str(dtype).removeprefix("torch."),
+                                                                torch.get_num_threads(), queue))
+        child.start()
+        row = queue.get()
+        child.join()
+        rows.append(row)
+        log(f"long prompt {length:8d} tokens: {row['seconds']:7.1f} s, {row['tokens_per_second']:8.0f} tokens/s, "
+            f"peak RSS {row['peak_rss_bytes'] / 2**20:.0f} MiB (+{row['rss_increase_bytes'] / 2**20:.0f} MiB during "
+            f"the call)")
+    return {"model": LONG_MODEL_SHAPE, "piece_size": rows[0]["piece_size"], "rows": rows,
+            "peak_rss_ratio": rows[1]["peak_rss_bytes"] / rows[0]["peak_rss_bytes"],
+            "measured": "each length in a fresh process: peak RSS of that process (getrusage, and sampled)"}

@@ -1,0 +1,134 @@
+"""`delta-attention benchmark`: kernels, decode, prefill and a 1M-token prompt, side by side in one process.
+
+Prints a markdown table and the target checks, writes `benchmark.json` and `benchmark.png` under `output_dir`.
+Parts are selectable (`--parts kernel,decode`) and sizes configurable; `--quick` is a small smoke run.
+Run it on an idle machine: with another busy process on the cores, threaded small kernels collapse; the load
+average and the thread count are recorded with the results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .bench_kernels import run_kernel_benchmark
+from .bench_models import build_models, run_decode_benchmark, run_long_prompt_benchmark, run_prefill_benchmark
+from .bench_report import markdown, plot
+
+PARTS = ("kernel", "decode", "prefill", "long")
+
+
+@dataclass
+class Options:
+    parts: str = field(default="kernel,decode,prefill,long", metadata={"help": f"comma-separated subset of {PARTS}"})
+    output_dir: str = field(default="results/benchmark", metadata={"help": "where benchmark.json/.md/.png go"})
+    plot: str | None = field(default=None, metadata={"help": "also write the PNG here (e.g. docs/benchmark.png)"})
+    kernel_lengths: str = field(default="512,2048,8192", metadata={"help": "kernel sequence lengths"})
+    kernel_heads: int = field(default=9, metadata={"help": "kernel heads (head dim 64)"})
+    peers: bool = field(default=True, metadata={"help": "time transformers' torch fallbacks too"})
+    peer_budget_seconds: float = field(
+        default=60.0, metadata={"help": "skip a peer's longer T once one call would take more than about this"}
+    )
+    decode_contexts: str = field(default="1024,4096,16384,65536", metadata={"help": "decode context lengths"})
+    decode_steps: int = field(default=8, metadata={"help": "timed decode steps per context (after 2 warm-up)"})
+    prefill_lengths: str = field(default="1024,4096,16384", metadata={"help": "prefill prompt lengths"})
+    long_tokens: int = field(default=1 << 20, metadata={"help": "the long prompt"})
+    long_reference_tokens: int = field(default=8192, metadata={"help": "the same model at this length, to compare"})
+    dtype: str = field(default="float32", metadata={"help": "model weights for decode/prefill/long: float32|bfloat16"})
+    threads: int = field(default=0, metadata={"help": "torch threads (0: torch's default)"})
+    quick: bool = field(default=False, metadata={"help": "small sizes: a smoke run of a minute or two"})
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _environment() -> dict:
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "python": platform.python_version(),
+        "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a",
+    }
+
+
+def run(options: Options) -> int:
+    parts = [p.strip() for p in options.parts.split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise ValueError(f"unknown part(s) {unknown}; choose from {list(PARTS)}")
+    if options.dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {options.dtype!r}")
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    if options.quick:
+        kernel_lengths, contexts, prefill_lengths = [512], [1024, 4096], [1024]
+        long_tokens, long_reference = 1 << 16, 8192
+    else:
+        kernel_lengths, contexts = _ints(options.kernel_lengths), _ints(options.decode_contexts)
+        prefill_lengths, long_tokens, long_reference = (
+            _ints(options.prefill_lengths), options.long_tokens, options.long_reference_tokens)
+    dtype = getattr(torch, options.dtype)
+    output = Path(options.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+
+    def log(message: str) -> None:
+        print(message, flush=True)
+
+    results = {"environment": _environment(), "options": vars(options),
+               "command": "delta-attention benchmark " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["benchmark"]
+                                                                  else sys.argv[1:])}
+    log(f"environment: {results['environment']}")
+    start = time.perf_counter()
+    if "kernel" in parts:
+        results["kernel"] = run_kernel_benchmark(kernel_lengths, heads=options.kernel_heads, peers=options.peers,
+                                                 log=log, peer_budget_seconds=options.peer_budget_seconds)
+    if "decode" in parts or "prefill" in parts:
+        models = build_models(dtype)
+        if "decode" in parts:
+            results["decode"] = run_decode_benchmark(models, contexts, options.decode_steps, log=log)
+        if "prefill" in parts:
+            results["prefill"] = run_prefill_benchmark(models, prefill_lengths, log=log)
+        del models
+    if "long" in parts:
+        results["long"] = run_long_prompt_benchmark(long_tokens, long_reference, dtype, log=log)
+    results["seconds"] = time.perf_counter() - start
+    results["environment"]["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(
+        os, "getloadavg") else "n/a"
+
+    report = markdown(results)
+    (output / "benchmark.json").write_text(json.dumps(results, indent=2))
+    (output / "benchmark.md").write_text(report + "\n")
+    try:
+        plot(results, str(output / "benchmark.png"))
+        if options.plot:
+            Path(options.plot).parent.mkdir(parents=True, exist_ok=True)
+            plot(results, options.plot)
+    except ImportError:
+        log("matplotlib is not installed (pip install delta-attention[bench]): no plot written")
+    print()
+    print(report)
+    log(f"\nwrote {output / 'benchmark.json'}, {output / 'benchmark.md'}, {output / 'benchmark.png'}"
+        f" in {results['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    from .cli import parse_options
+
+    sys.exit(run(parse_options(Options, sys.argv[1:], prog="python -m delta_attention.scripts.benchmark")))
