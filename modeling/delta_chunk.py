@@ -66,25 +66,27 @@ def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
 
 
 def to_chunks(x: torch.Tensor, chunk: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, T, H, ...] -> [B, H, N, C, ...] in `dtype`, zero-padded at the end: one copy (layout + cast)."""
+    """[B, T, H, ...] -> [N, B, H, C, ...] in `dtype`, zero-padded at the end: one copy (layout and cast).
+
+    Chunk-major, so that the one chunk the sequential loop works on is a contiguous [B*H, C, ...] block."""
     batch, seq_len, heads = x.shape[:3]
     n_chunks = -(-seq_len // chunk)
     if out is None:
-        out = x.new_empty((batch, heads, n_chunks, chunk, *x.shape[3:]), dtype=dtype)
+        out = x.new_empty((n_chunks, batch, heads, chunk, *x.shape[3:]), dtype=dtype)
     full, rest = divmod(seq_len, chunk)
-    x = x.movedim(2, 1)  # [B, H, T, ...] view
-    if full:
-        out[:, :, :full].copy_(x[:, :, : full * chunk].unflatten(2, (full, chunk)))
+    if full:  # [B, full * C, H, ...] -> [full, B, H, C, ...]
+        out[:full].copy_(x[:, : full * chunk].unflatten(1, (full, chunk)).permute(1, 0, 3, 2, *range(4, x.dim() + 1)))
     if rest:
-        out[:, :, full, :rest].copy_(x[:, :, full * chunk :])
-        out[:, :, full, rest:].zero_()
+        out[full, :, :, :rest].copy_(x[:, full * chunk :].movedim(2, 1))
+        out[full, :, :, rest:].zero_()
     return out
 
 
 def from_chunks(x: torch.Tensor, seq_len: int, dtype: torch.dtype, scale: float | None = None) -> torch.Tensor:
-    """[B, H, N, C, ...] -> [B, T, H, ...] in `dtype` (times `scale`): one copy."""
-    batch, heads, n_chunks, chunk = x.shape[:4]
-    x = x.reshape(batch, heads, n_chunks * chunk, *x.shape[4:])[:, :, :seq_len].movedim(1, 2)
+    """[N, B, H, C, ...] -> [B, T, H, ...] in `dtype` (times `scale`): one copy."""
+    n_chunks, batch, heads, chunk = x.shape[:4]
+    x = x.permute(1, 0, 3, 2, *range(4, x.dim())).reshape(batch, n_chunks * chunk, heads, *x.shape[4:])
+    x = x[:, :seq_len]
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     if scale is None:
         return out.copy_(x)
@@ -245,116 +247,127 @@ class _ChunkTerms:
         torch.mul(self.qk_decayed[..., 1, :, :], beta[..., None], out=rhs[..., value_dim:])
         self.uw = self.inverse.to(mm) @ rhs  # [..., C, V + K]: U then W
 
-    def flat(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, H, N, ...] -> [B*H, N, ...]"""
-        return x.flatten(0, 1)
+    @staticmethod
+    def flat(x: torch.Tensor) -> torch.Tensor:
+        """[N, B, H, ...] -> [N, B*H, ...]"""
+        return x.flatten(1, 2)
 
-    def chunk_decay(self, flat_heads: int, n_chunks: int) -> torch.Tensor | None:
-        """exp(G_C) shaped to scale [BH, N, K, V] states: [BH, N, K, 1] (per channel) or [BH, N, 1, 1]."""
+    def chunk_decay(self) -> torch.Tensor | None:
+        """exp(G_C) shaped to scale [N, BH, K, V] states: [N, BH, K, 1] (per channel) or [N, BH, 1, 1]."""
         if self.decay_chunk is None:
             return None
-        decay = self.decay_chunk.reshape(flat_heads, n_chunks, -1)
-        return decay[..., None] if self.channel else decay[..., None, :]
+        decay = self.flat(self.decay_chunk)
+        return decay[..., None] if self.channel else decay[..., None, None]
 
 
 def _scan_forward(terms: _ChunkTerms, state: torch.Tensor, value_dim: int):
     """The sequential part: per chunk V' = U - W S, then S <- exp(G_C) S + Ke^T V'.
 
-    Returns the states entering every chunk [BH, N, K, V] (float32), V' [BH, N, C, V] (matmul dtype) and the
-    final state [BH, K, V]. The state is float32; with bf16 inputs the two matmuls run in bf16 and their products
-    are added to the float32 state. (A variant that precomputes P = Diag(exp(G_C)) - Ke^T W and R = Ke^T U, leaving
-    one matmul per chunk, measured 15-30% slower in float32 and no faster in bf16: it costs two more batched
-    matmuls, M W and Ke^T W, than the sequential matmul it saves.)
+    Returns the states [N + 1, BH, K, V] (float32: entering each chunk, then the final one) and V' [N, BH, C, V]
+    (matmul dtype). With bf16 inputs the two matmuls run in bf16 and their products are added to the float32
+    state. (A variant that precomputes P = Diag(exp(G_C)) - Ke^T W and R = Ke^T U, leaving one matmul per chunk,
+    measured 15-30% slower in float32 and no faster in bf16: it costs two more batched matmuls, M W and Ke^T W,
+    than the sequential matmul it saves.)
     """
     mm = terms.uw.dtype
-    uw = terms.flat(terms.uw)  # [BH, N, C, V + K]
-    flat_heads, n_chunks, chunk = uw.shape[:3]
+    uw = terms.flat(terms.uw)  # [N, BH, C, V + K]
+    n_chunks, flat_heads, chunk = uw.shape[:3]
     key_dim = uw.shape[-1] - value_dim
     u, w = uw[..., :value_dim], uw[..., value_dim:]
-    k_to_end = terms.flat(terms.k_to_end)  # [BH, N, C, K]
-    decay = terms.chunk_decay(flat_heads, n_chunks)
-    states = torch.empty(flat_heads, n_chunks, key_dim, value_dim, dtype=torch.float32, device=uw.device)
-    v_new = torch.empty(flat_heads, n_chunks, chunk, value_dim, dtype=mm, device=uw.device)
-    current = state.reshape(flat_heads, key_dim, value_dim)
+    k_to_end = terms.flat(terms.k_to_end)  # [N, BH, C, K]
+    decay = terms.chunk_decay()
+    states = torch.empty(n_chunks + 1, flat_heads, key_dim, value_dim, dtype=torch.float32, device=uw.device)
+    states[0] = state.reshape(flat_heads, key_dim, value_dim)
+    v_new = torch.empty(n_chunks, flat_heads, chunk, value_dim, dtype=mm, device=uw.device)
     for n in range(n_chunks):
-        states[:, n] = current
-        torch.baddbmm(u[:, n], w[:, n], current.to(mm), alpha=-1, out=v_new[:, n])
-        current = current * decay[:, n] if decay is not None else current.clone()
-        if mm == torch.float32:
-            current.baddbmm_(k_to_end[:, n].mT, v_new[:, n])
+        torch.baddbmm(u[n], w[n], states[n].to(mm), alpha=-1, out=v_new[n])
+        if decay is None:
+            states[n + 1] = states[n]
         else:
-            current += torch.bmm(k_to_end[:, n].mT, v_new[:, n])
-    return states, v_new, current
+            torch.mul(states[n], decay[n], out=states[n + 1])
+        if mm == torch.float32:
+            states[n + 1].baddbmm_(k_to_end[n].mT, v_new[n])
+        else:
+            states[n + 1] += torch.bmm(k_to_end[n].mT, v_new[n])
+    return states, v_new
 
 
 def chunk_forward(qk, v, beta, log_decay, state):
     """Chunked delta rule on prepared chunks.
 
-    qk: [B, H, N, 2, C, K] (q unscaled); v: [B, H, N, C, V]; beta: [B, H, N, C] float32;
-    log_decay: None | [B, H, N, C] | [B, H, N, C, K] chunk-local cumsum, float32; state: [B, H, K, V] float32.
-    Returns (o [B, H, N, C, V] unscaled, entering states [BH, N, K, V], V' [BH, N, C, V], final state [B, H, K, V]).
+    qk: [N, B, H, 2, C, K] (q unscaled); v: [N, B, H, C, V]; beta: [N, B, H, C] float32;
+    log_decay: None | [N, B, H, C] | [N, B, H, C, K] chunk-local cumsum, float32; state: [B, H, K, V] float32.
+    Returns (o [N, B, H, C, V] unscaled, states [N + 1, BH, K, V], V' [N, BH, C, V]); states[-1] is the final one.
     """
-    batch, heads, n_chunks, _, chunk, key_dim = qk.shape
+    n_chunks, batch, heads, _, chunk, key_dim = qk.shape
     value_dim = v.shape[-1]
-    mm = qk.dtype
     terms = _ChunkTerms(qk, v, beta, log_decay)
-    states, v_new, final = _scan_forward(terms, state, value_dim)
-    # O = Q . exp(G) S + M V'
+    states, v_new = _scan_forward(terms, state, value_dim)
+    # O = Q . exp(G) S + M V', batched over all chunks
     q_decayed = terms.qk_decayed[..., 0, :, :].reshape(-1, chunk, key_dim)
-    out = torch.bmm(q_decayed, states.to(mm).view(-1, key_dim, value_dim))
+    out = torch.bmm(q_decayed, states[:-1].to(qk.dtype).view(-1, key_dim, value_dim))
     out = torch.baddbmm(out, terms.m.reshape(-1, chunk, chunk), v_new.view(-1, chunk, value_dim))
-    return out.view(batch, heads, n_chunks, chunk, value_dim), states, v_new, final.view(batch, heads, key_dim, value_dim)
+    return out.view(n_chunks, batch, heads, chunk, value_dim), states, v_new
 
 
 def _scan_backward(terms: _ChunkTerms, grad_out: torch.Tensor, grad_final: torch.Tensor | None, value_dim: int):
     """The sequential part of the backward, in reverse: dV' = M^T dO + Ke dS_out and
-    dS_in = Q.exp(G)^T dO + exp(G_C) dS_out - W^T dV'. Returns dS at every chunk's end [BH, N, K, V] (float32),
-    dV' [BH, N, C, V] (matmul dtype) and the gradient of the initial state [BH, K, V]."""
+    dS_in = (Q . exp(G))^T dO + exp(G_C) dS_out - W^T dV'.
+
+    Returns the state gradients [N + 1, BH, K, V] (float32; [n] is the one entering chunk n, [0] the initial
+    state's) and dV' [N, BH, C, V] (matmul dtype)."""
     mm = grad_out.dtype
     uw = terms.flat(terms.uw)
-    flat_heads, n_chunks, chunk = uw.shape[:3]
+    n_chunks, flat_heads, chunk = uw.shape[:3]
     key_dim = uw.shape[-1] - value_dim
     w = uw[..., value_dim:]
     k_to_end = terms.flat(terms.k_to_end)
-    decay = terms.chunk_decay(flat_heads, n_chunks)
+    decay = terms.chunk_decay()
     # the parts that do not depend on the state gradient, batched over all chunks
-    m_grad = terms.flat(terms.m.mT @ grad_out)  # [BH, N, C, V]
-    q_grad = terms.flat((terms.qk_decayed[..., 0, :, :].mT @ grad_out).float())  # [BH, N, K, V]
-    grad_states = torch.empty(flat_heads, n_chunks, key_dim, value_dim, dtype=torch.float32, device=uw.device)
-    grad_v_new = torch.empty(flat_heads, n_chunks, chunk, value_dim, dtype=mm, device=uw.device)
-    current = uw.new_zeros(flat_heads, key_dim, value_dim, dtype=torch.float32)
-    if grad_final is not None:
-        current = grad_final.reshape(flat_heads, key_dim, value_dim).float()
+    m_grad = terms.flat(terms.m.mT @ grad_out)  # [N, BH, C, V]
+    q_grad = terms.flat((terms.qk_decayed[..., 0, :, :].mT @ grad_out).float())  # [N, BH, K, V]
+    grads = torch.empty(n_chunks + 1, flat_heads, key_dim, value_dim, dtype=torch.float32, device=uw.device)
+    if grad_final is None:
+        grads[-1].zero_()
+    else:
+        grads[-1] = grad_final.reshape(flat_heads, key_dim, value_dim)
+    grad_v_new = torch.empty(n_chunks, flat_heads, chunk, value_dim, dtype=mm, device=uw.device)
     for n in range(n_chunks - 1, -1, -1):
-        grad_states[:, n] = current
-        torch.baddbmm(m_grad[:, n], k_to_end[:, n], current.to(mm), out=grad_v_new[:, n])
-        back = torch.bmm(w[:, n].mT, grad_v_new[:, n])  # W^T dV'
-        current = (current * decay[:, n] if decay is not None else current) + q_grad[:, n] - back
-    return grad_states, grad_v_new, current
+        torch.baddbmm(m_grad[n], k_to_end[n], grads[n + 1].to(mm), out=grad_v_new[n])
+        if mm == torch.float32:
+            torch.baddbmm(q_grad[n], w[n].mT, grad_v_new[n], alpha=-1, out=grads[n])
+        else:
+            torch.sub(q_grad[n], torch.bmm(w[n].mT, grad_v_new[n]), out=grads[n])
+        if decay is None:
+            grads[n] += grads[n + 1]
+        else:
+            grads[n].addcmul_(grads[n + 1], decay[n])
+    return grads, grad_v_new
 
 
 def chunk_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_final):
-    """Gradients of the chunked delta rule. `grad_out` [B, H, N, C, V] is for the unscaled output; `states` and
+    """Gradients of the chunked delta rule. `grad_out` [N, B, H, C, V] is for the unscaled output; `states` and
     `v_new` are what `chunk_forward` returned.
 
-    Returns (dqk [B, H, N, 2, C, K], dv, dbeta, dlog_decay (cumulative, same shape as log_decay), dstate).
+    Returns (dqk [N, B, H, 2, C, K], dv, dbeta, dlog_decay (cumulative, same shape as log_decay), dstate).
     """
     mm = qk.dtype
-    batch, heads, n_chunks, _, chunk, key_dim = qk.shape
+    n_chunks, batch, heads, _, chunk, key_dim = qk.shape
     value_dim = v.shape[-1]
-    chunked = (batch, heads, n_chunks)
+    chunked = (n_chunks, batch, heads)
     terms = _ChunkTerms(qk, v, beta, log_decay, for_backward=True)
     channel = terms.channel
     grad_out = grad_out.to(mm)
-    grad_states, grad_v_new, grad_state = _scan_backward(terms, grad_out, grad_final, value_dim)
-    grad_state = grad_state.view(batch, heads, key_dim, value_dim)
+    grads, grad_v_new = _scan_backward(terms, grad_out, grad_final, value_dim)
+    grad_state = grads[0].view(batch, heads, key_dim, value_dim)
 
-    states_mm = states.to(mm).view(*chunked, key_dim, value_dim)
-    grad_states_mm = grad_states.to(mm).view(*chunked, key_dim, value_dim)
+    states_in = states[:-1].view(*chunked, key_dim, value_dim)  # entering each chunk
+    grads_out = grads[1:].view(*chunked, key_dim, value_dim)  # at each chunk's end
+    states_mm, grads_out_mm = states_in.to(mm), grads_out.to(mm)
     grad_v_new, v_new = grad_v_new.view(*chunked, chunk, value_dim), v_new.view(*chunked, chunk, value_dim)
     grad_q_decayed = (grad_out @ states_mm.mT).float()  # [..., C, K]
     grad_m = (grad_out @ v_new.mT).float().tril_()  # [..., C, C]
-    grad_k_to_end = (v_new @ grad_states_mm.mT).float()  # [..., C, K]
+    grad_k_to_end = (v_new @ grads_out_mm.mT).float()  # [..., C, K]
     grad_uw = torch.cat([grad_v_new, -(grad_v_new @ states_mm.mT)], dim=-1)  # [dU | dW]: [..., C, V + K]
     grad_rhs = (terms.inverse.to(mm).mT @ grad_uw).float()  # [..., C, V + K]
     grad_a = (grad_rhs.to(mm) @ terms.uw.mT).float().neg_().tril_(-1)  # [..., C, C]
@@ -387,7 +400,7 @@ def chunk_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_final):
     from_decayed = _to_decay_shape((grad_qk_decayed * terms.qk_decayed).sum(-3), channel)
     to_end = _to_decay_shape(grad_k_to_end * terms.k_to_end, channel)  # [..., C(, K)]
     grad_log = from_decayed - to_end if grad_log is None else grad_log + from_decayed - to_end
-    grad_decay_chunk = (states.view(*chunked, key_dim, value_dim) * grad_states.view_as(states_mm)).sum(-1)
+    grad_decay_chunk = (states_in * grads_out).sum(-1)  # [..., K]
     if not channel:
         grad_decay_chunk = grad_decay_chunk.sum(-1)
     last = grad_log[..., -1:, :] if channel else grad_log[..., -1:]
@@ -400,12 +413,12 @@ def chunk_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_final):
 
 
 def _prepare(q, k, v, beta, g, chunk):
-    """Chunked, layout-converted inputs: qk [B, H, N, 2, C, K], v [B, H, N, C, V] (bf16 if q is bf16, else
-    float32), beta [B, H, N, C] and the chunk-local cumulative log-decay, float32."""
+    """Chunked, layout-converted inputs: qk [N, B, H, 2, C, K], v [N, B, H, C, V] (bf16 if q is bf16, else
+    float32), beta [N, B, H, C] and the chunk-local cumulative log-decay, float32."""
     mm = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
     batch, seq_len, heads, key_dim = q.shape
     n_chunks = -(-seq_len // chunk)
-    qk = q.new_empty((batch, heads, n_chunks, 2, chunk, key_dim), dtype=mm)
+    qk = q.new_empty((n_chunks, batch, heads, 2, chunk, key_dim), dtype=mm)
     to_chunks(q, chunk, mm, out=qk[:, :, :, 0])
     to_chunks(k, chunk, mm, out=qk[:, :, :, 1])
     v_c = to_chunks(v, chunk, mm)
@@ -426,8 +439,9 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
             state = q.new_zeros((batch, heads, key_dim, value_dim), dtype=torch.float32)
         else:
             state = initial_state.float()
-        o, states, v_new, final = chunk_forward(qk, v_c, beta_c, log_decay, state)
+        o, states, v_new = chunk_forward(qk, v_c, beta_c, log_decay, state)
         ctx.save_for_backward(qk, v_c, beta_c, log_decay, states, v_new)
+        final = states[-1].clone().view(batch, heads, key_dim, value_dim)
         ctx.meta = (seq_len, scale, q.dtype, k.dtype, v.dtype, beta.dtype, None if g is None else g.dtype,
                     initial_state is not None)
         return from_chunks(o, seq_len, v.dtype, scale), final
