@@ -32,7 +32,7 @@ def matmul_peak(dtype: torch.dtype, sizes=(1024, 2048)) -> float:
     best = 0.0
     for size in sizes:
         a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-        seconds = timed(lambda: a @ b, min_repeats=5, min_seconds=0.5)
+        seconds = timed(lambda: a @ b, min_repeats=5, min_seconds=0.5 if size >= 1024 else 0.0)
         best = max(best, 2 * size**3 / seconds / 1e9)
     return best
 
@@ -98,12 +98,13 @@ def _step(fn, inputs, backward: bool):
 
 
 def run_kernel_benchmark(lengths, heads: int = 9, dim: int = 64, peers: bool = True, log=print,
-                         peer_budget_seconds: float = 60.0) -> dict:
+                         peer_budget_seconds: float = 60.0, min_seconds: float = 1.0) -> dict:
     """Times every (gate, dtype, pass, T) for ours and the peer; returns a JSON-able dict."""
     import transformers
 
     transformers.logging.set_verbosity_error()  # the peers warn that they are falling back to torch
-    peak = {"float32": matmul_peak(torch.float32), "bfloat16": matmul_peak(torch.bfloat16)}
+    sizes = (1024, 2048) if min_seconds else (256,)
+    peak = {"float32": matmul_peak(torch.float32, sizes), "bfloat16": matmul_peak(torch.bfloat16, sizes)}
     log(f"matmul peak: float32 {peak['float32']:.0f} GFLOP/s, bfloat16 {peak['bfloat16']:.0f} GFLOP/s")
     rows = []
     skipped_peer = set()
@@ -115,7 +116,8 @@ def run_kernel_benchmark(lengths, heads: int = 9, dim: int = 64, peers: bool = T
                 for seq_len in lengths:
                     inputs = kernel_inputs(gate, seq_len, heads, dim, dtype)
                     flops = chunk_flops(1, seq_len, heads, dim, dim) * (3 if backward else 1)
-                    ours = timed(_step(_ours, inputs, backward))
+                    ours = timed(_step(_ours, inputs, backward), min_repeats=3 if min_seconds else 1,
+                                 min_seconds=min_seconds)
                     row = {
                         "gate": gate, "dtype": dtype_name, "pass": "fwd+bwd" if backward else "fwd", "T": seq_len,
                         "ours_ms": ours * 1e3, "ours_gflops": flops / ours / 1e9,

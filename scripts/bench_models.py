@@ -189,7 +189,7 @@ LONG_MODEL_SHAPE = dict(
 )
 
 
-def _long_prompt_child(length: int, dtype_name: str, threads: int, queue) -> None:
+def _long_prompt_child(length: int, dtype_name: str, threads: int, shape: dict, piece_size: int | None, queue) -> None:
     """In a fresh process: one prompt of `length` tokens through the small all-delta model; reports the time and
     the process's peak RSS (so that what an earlier, shorter run left in the allocator does not count)."""
     import resource
@@ -198,40 +198,50 @@ def _long_prompt_child(length: int, dtype_name: str, threads: int, queue) -> Non
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = DeltaForCausalLM(DeltaConfig(**LONG_MODEL_SHAPE)).to(getattr(torch, dtype_name)).eval()
-    ids = torch.randint(3, LONG_MODEL_SHAPE["vocab_size"], (1, length), generator=torch.Generator().manual_seed(3))
+    model = DeltaForCausalLM(DeltaConfig(**shape)).to(getattr(torch, dtype_name)).eval()
+    if piece_size:
+        model.prefill_piece_size = piece_size
+    ids = torch.randint(3, shape["vocab_size"], (1, length), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         model(ids[:, : min(length, 1024)], logits_to_keep=1)  # warm-up
         with PeakRSS() as rss:
             begin = time.perf_counter()
             out = model(ids, logits_to_keep=1)
             seconds = time.perf_counter() - begin
-    assert out.logits.shape == (1, 1, LONG_MODEL_SHAPE["vocab_size"])
+    assert out.logits.shape == (1, 1, shape["vocab_size"])
     max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     queue.put({"tokens": length, "seconds": seconds, "tokens_per_second": length / seconds,
                "peak_rss_bytes": max(max_rss, rss.peak), "rss_increase_bytes": rss.peak - rss.baseline,
-               "piece_size": DeltaForCausalLM.prefill_piece_size})
+               "piece_size": model.prefill_piece_size})
 
 
-def run_long_prompt_benchmark(tokens: int, reference_tokens: int, dtype: torch.dtype, log=print) -> dict:
+def run_long_prompt_benchmark(tokens: int, reference_tokens: int, dtype: torch.dtype, log=print,
+                              shape: dict | None = None, piece_size: int | None = None) -> dict:
     """A `tokens`-long prompt through a small all-delta model, against the same model at `reference_tokens`:
     wall time, tokens/s and peak RSS. Each length runs in its own fresh process (spawned by this one), so each
     peak RSS is that prompt's alone: model, inputs and every temporary."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
+    shape = LONG_MODEL_SHAPE if shape is None else shape
     rows = []
     for length in (reference_tokens, tokens):
         queue = context.Queue()
         child = context.Process(target=_long_prompt_child, args=(length, str(dtype).removeprefix("torch."),
-                                                                torch.get_num_threads(), queue))
+                                                                torch.get_num_threads(), shape, piece_size, queue))
         child.start()
-        row = queue.get()
+        row = None
+        while row is None:
+            try:
+                row = queue.get(timeout=1.0)
+            except Exception:  # queue.Empty: still running, unless the child died
+                if not child.is_alive():
+                    raise RuntimeError(f"the long-prompt run of {length} tokens failed (exit code {child.exitcode})")
         child.join()
         rows.append(row)
         log(f"long prompt {length:8d} tokens: {row['seconds']:7.1f} s, {row['tokens_per_second']:8.0f} tokens/s, "
             f"peak RSS {row['peak_rss_bytes'] / 2**20:.0f} MiB (+{row['rss_increase_bytes'] / 2**20:.0f} MiB during "
             f"the call)")
-    return {"model": LONG_MODEL_SHAPE, "piece_size": rows[0]["piece_size"], "rows": rows,
+    return {"model": shape, "piece_size": rows[0]["piece_size"], "rows": rows,
             "peak_rss_ratio": rows[1]["peak_rss_bytes"] / rows[0]["peak_rss_bytes"],
             "measured": "each length in a fresh process: peak RSS of that process (getrusage, and sampled)"}

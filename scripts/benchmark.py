@@ -24,6 +24,10 @@ from .bench_models import build_models, run_decode_benchmark, run_long_prompt_be
 from .bench_report import markdown, plot
 
 PARTS = ("kernel", "decode", "prefill", "long")
+SMOKE_SHAPE = dict(
+    vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+)
 
 
 @dataclass
@@ -44,7 +48,8 @@ class Options:
     long_reference_tokens: int = field(default=8192, metadata={"help": "the same model at this length, to compare"})
     dtype: str = field(default="float32", metadata={"help": "model weights for decode/prefill/long: float32|bfloat16"})
     threads: int = field(default=0, metadata={"help": "torch threads (0: torch's default)"})
-    quick: bool = field(default=False, metadata={"help": "small sizes: a smoke run of a minute or two"})
+    quick: bool = field(default=False, metadata={"help": "small sizes: a quick run of a few minutes"})
+    smoke: bool = field(default=False, metadata={"help": "tiny models and sizes: checks the pipeline, measures nothing"})
 
 
 def _ints(text: str) -> list[int]:
@@ -74,9 +79,24 @@ def run(options: Options) -> int:
         raise ValueError(f"unknown part(s) {unknown}; choose from {list(PARTS)}")
     if options.dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {options.dtype!r}")
+    threads_before = torch.get_num_threads()
     if options.threads:
         torch.set_num_threads(options.threads)
-    if options.quick:
+    elif options.smoke:  # a smoke run often shares the machine (tests): one thread cannot oversubscribe it
+        torch.set_num_threads(1)
+    try:
+        return _run(options, parts)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(options: Options, parts: list[str]) -> int:
+    shape = long_shape = None
+    if options.smoke:
+        kernel_lengths, contexts, prefill_lengths = [130], [64, 256], [64]
+        long_tokens, long_reference = 1024, 256
+        shape, long_shape = SMOKE_SHAPE, SMOKE_SHAPE
+    elif options.quick:
         kernel_lengths, contexts, prefill_lengths = [512], [1024, 4096], [1024]
         long_tokens, long_reference = 1 << 16, 8192
     else:
@@ -96,17 +116,20 @@ def run(options: Options) -> int:
     log(f"environment: {results['environment']}")
     start = time.perf_counter()
     if "kernel" in parts:
-        results["kernel"] = run_kernel_benchmark(kernel_lengths, heads=options.kernel_heads, peers=options.peers,
-                                                 log=log, peer_budget_seconds=options.peer_budget_seconds)
+        results["kernel"] = run_kernel_benchmark(kernel_lengths, heads=2 if options.smoke else options.kernel_heads,
+                                                 peers=options.peers, log=log,
+                                                 peer_budget_seconds=options.peer_budget_seconds,
+                                                 min_seconds=0.0 if options.smoke else 1.0)
     if "decode" in parts or "prefill" in parts:
-        models = build_models(dtype)
+        models = build_models(dtype, shape)
         if "decode" in parts:
             results["decode"] = run_decode_benchmark(models, contexts, options.decode_steps, log=log)
         if "prefill" in parts:
             results["prefill"] = run_prefill_benchmark(models, prefill_lengths, log=log)
         del models
     if "long" in parts:
-        results["long"] = run_long_prompt_benchmark(long_tokens, long_reference, dtype, log=log)
+        results["long"] = run_long_prompt_benchmark(long_tokens, long_reference, dtype, log=log, shape=long_shape,
+                                                    piece_size=128 if options.smoke else None)
     results["seconds"] = time.perf_counter() - start
     results["environment"]["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(
         os, "getloadavg") else "n/a"

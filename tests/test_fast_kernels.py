@@ -249,3 +249,32 @@ def test_fla_kernels_match_ours_on_cuda(gate):
 def test_fla_is_not_used_on_cpu():
     q, k, v, beta, g = random_inputs("scalar")
     assert not delta_fla.fla_available(q)
+
+
+def test_benchmark_pipeline_runs_end_to_end(tmp_path):
+    """`delta-attention benchmark --smoke`: tiny models and sizes through the parts, table, JSON and plot. (The
+    long-prompt part runs each length in a spawned process; here its worker runs in this one, to stay fast.)"""
+    import json
+    import queue
+
+    from delta_attention.scripts import bench_models, bench_report, benchmark
+
+    options = benchmark.Options(smoke=True, parts="kernel,decode,prefill", output_dir=str(tmp_path),
+                                plot=str(tmp_path / "copy.png"))
+    assert benchmark.run(options) == 0
+    results = json.loads((tmp_path / "benchmark.json").read_text())
+    assert {"kernel", "decode", "prefill", "environment"} <= set(results)
+    assert all(row["ours_ms"] > 0 and row["speedup"] > 0 for row in results["kernel"]["rows"])
+    delta_sizes = {row["cache_bytes"] for row in results["decode"]["rows"] if row["model"] == "delta"}
+    assert len(delta_sizes) == 1  # an all-delta cache does not grow with the context
+    assert (tmp_path / "benchmark.png").stat().st_size > 0 and (tmp_path / "copy.png").exists()
+    assert "| gate | inputs | pass |" in (tmp_path / "benchmark.md").read_text()
+
+    rows = queue.Queue()
+    for length in (128, 512):
+        bench_models._long_prompt_child(length, "float32", torch.get_num_threads(), benchmark.SMOKE_SHAPE, 64, rows)
+    short, long = rows.get(), rows.get()
+    assert long["tokens"] == 512 and long["piece_size"] == 64 and long["peak_rss_bytes"] > 0
+    long_results = {"model": benchmark.SMOKE_SHAPE, "piece_size": 64, "rows": [short, long],
+                    "peak_rss_ratio": long["peak_rss_bytes"] / short["peak_rss_bytes"]}
+    assert "| 512 |" in "\n".join(bench_report.long_table(long_results))
