@@ -2,9 +2,6 @@
 and the result reloads without the package installed."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,7 +10,7 @@ from delta_attention.conversion.convert import ConversionSettings, convert
 from delta_attention.conversion.distill_pipeline import DistillOptions, run_distill
 from delta_attention.conversion.text_data import DataOptions
 from delta_attention.conversion.training import TrainingOptions
-from test_remote_code import LOADER
+from isolated import load_isolated
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +36,9 @@ def test_a_few_steps_of_each_stage_lower_heldout_perplexity(converted, smollm2_g
     # the distilled model reloads in a process where delta_attention cannot be imported
     model_dir = tmp_path / "run" / "model"
     ids = [[1, 504, 3458, 314, 260, 1345, 28, 378]]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, "-c", LOADER, str(model_dir), json.dumps(ids), str(tmp_path / "out.pt")],
-                          env=env, capture_output=True, text=True, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
+    isolated = load_isolated(model_dir, ids, tmp_path)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     with torch.no_grad():
-        assert torch.equal(torch.load(tmp_path / "out.pt")["logits"], model(torch.tensor(ids)).logits)
+        assert torch.equal(isolated["logits"], model(torch.tensor(ids)).logits)

@@ -12,41 +12,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import delta_attention  # noqa: F401  (registers the Auto classes)
 from conftest import HYBRID_LAYERS, tiny_delta_model
-
-# Runs in a fresh interpreter in which `delta_attention` cannot be imported, with the Hub offline.
-LOADER = textwrap.dedent(
-    """
-    import importlib.abc, json, sys
-    class Block(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "delta_attention" or name.startswith("delta_attention."):
-                raise ImportError("delta_attention is blocked in this process")
-    sys.meta_path.insert(0, Block())
-    try:
-        import delta_attention
-        raise SystemExit("delta_attention was importable")
-    except ImportError:
-        pass
-    import torch
-    from transformers import AutoModel, AutoModelForCausalLM
-    folder, ids = sys.argv[1], json.loads(sys.argv[2])
-    input_ids = torch.tensor(ids)
-    lm = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
-    base = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
-    assert "delta_attention" not in type(lm).__module__, type(lm).__module__
-    with torch.no_grad():
-        logits = lm(input_ids).logits
-        hidden = base(input_ids).last_hidden_state
-    torch.save({"logits": logits, "hidden": hidden, "classes": [type(lm).__name__, type(base).__name__]}, sys.argv[3])
-    """
-)
-
-
-def run_isolated(*args):
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    return subprocess.run([sys.executable, "-c", LOADER, *map(str, args)], env=env, capture_output=True, text=True,
-                          cwd=os.path.dirname(str(args[0])))
+from isolated import load_isolated
 
 
 @pytest.mark.parametrize("gate", ["scalar", "channel"])
@@ -66,15 +32,15 @@ def test_save_then_load_in_a_fresh_process_without_the_package(tmp_path, gate):
     }
 
     input_ids = [[5, 9, 17, 33, 2, 41, 8, 8, 60]]
-    result = run_isolated(folder, json.dumps(input_ids), tmp_path / "out.pt")
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = torch.load(tmp_path / "out.pt")
+    out = load_isolated(folder, input_ids, tmp_path)
     assert out["classes"] == ["DeltaForCausalLM", "DeltaModel"]
     with torch.no_grad():
         logits = model(torch.tensor(input_ids)).logits
         hidden = model.model(torch.tensor(input_ids)).last_hidden_state
     assert torch.equal(out["logits"], logits)
     assert torch.equal(out["hidden"], hidden)
+    assert torch.equal(out["generated"], model.generate(torch.tensor(input_ids)[:1, :6], max_new_tokens=8,
+                                                        do_sample=False))
 
 
 def test_reload_with_the_package_uses_the_registered_classes(tmp_path):
