@@ -100,7 +100,8 @@ def test_steep_channel_decay_takes_the_exact_elementwise_path():
 
 @pytest.mark.parametrize("size", [16, 64, 48])
 def test_unit_lower_inverse(size):
-    a = torch.randn(3, 5, size, size) * 0.3
+    keys = F.normalize(torch.randn(3, 5, size, 16), dim=-1)
+    a = torch.rand(3, 5, size, 1) * (keys @ keys.mT)  # diag(beta) K K^T, as the kernel builds it
     want = torch.linalg.solve_triangular(
         a.tril(-1) + torch.eye(size), torch.eye(size).expand_as(a), upper=False, unitriangular=True
     )
