@@ -245,7 +245,8 @@ class _ChunkTerms:
         rhs = torch.empty(*v.shape[:-1], value_dim + k.shape[-1], dtype=mm, device=v.device)
         torch.mul(v, beta[..., None], out=rhs[..., :value_dim])
         torch.mul(self.qk_decayed[..., 1, :, :], beta[..., None], out=rhs[..., value_dim:])
-        self.uw = self.inverse.to(mm) @ rhs  # [..., C, V + K]: U then W
+        self.inverse_mm = self.inverse.to(mm)
+        self.uw = self.inverse_mm @ rhs  # [..., C, V + K]: U then W
 
     @staticmethod
     def flat(x: torch.Tensor) -> torch.Tensor:
@@ -365,12 +366,11 @@ def chunk_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_final):
     grads_out = grads[1:].view(*chunked, key_dim, value_dim)  # at each chunk's end
     states_mm, grads_out_mm = states_in.to(mm), grads_out.to(mm)
     grad_v_new, v_new = grad_v_new.view(*chunked, chunk, value_dim), v_new.view(*chunked, chunk, value_dim)
-    grad_q_decayed = (grad_out @ states_mm.mT).float()  # [..., C, K]
-    grad_m = (grad_out @ v_new.mT).float().tril_()  # [..., C, C]
-    grad_k_to_end = (v_new @ grads_out_mm.mT).float()  # [..., C, K]
+    grad_k_to_end = v_new @ grads_out_mm.mT  # [..., C, K]
     grad_uw = torch.cat([grad_v_new, -(grad_v_new @ states_mm.mT)], dim=-1)  # [dU | dW]: [..., C, V + K]
-    grad_rhs = (terms.inverse.to(mm).mT @ grad_uw).float()  # [..., C, V + K]
-    grad_a = (grad_rhs.to(mm) @ terms.uw.mT).float().neg_().tril_(-1)  # [..., C, C]
+    grad_rhs = terms.inverse_mm.mT @ grad_uw  # [..., C, V + K]
+    grad_a = (grad_rhs @ terms.uw.mT).float().neg_().tril_(-1)  # [..., C, C]
+    grad_rhs = grad_rhs.float()
 
     rhs_v, rhs_k = grad_rhs[..., :value_dim], grad_rhs[..., value_dim:]
     k_decayed = terms.qk_decayed[..., 1, :, :]
@@ -380,10 +380,12 @@ def chunk_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_final):
 
     # gradients with respect to [Q; K] . exp(G): from the output and from the right-hand side of the solve
     grad_qk_decayed = torch.empty(*qk.shape, dtype=torch.float32, device=qk.device)
-    grad_qk_decayed[..., 0, :, :] = grad_q_decayed
+    grad_qk_decayed[..., 0, :, :] = grad_out @ states_mm.mT
     torch.mul(rhs_k, beta[..., None], out=grad_qk_decayed[..., 1, :, :])
 
-    grad_scores = torch.stack([grad_m, grad_a * beta[..., :, None]], dim=-3)  # [..., 2, C, C]
+    grad_scores = torch.empty(*qk.shape[:-2], chunk, chunk, dtype=torch.float32, device=qk.device)  # [..., 2, C, C]
+    grad_scores[..., 0, :, :] = (grad_out @ v_new.mT).tril_()  # dM
+    torch.mul(grad_a, beta[..., :, None], out=grad_scores[..., 1, :, :])  # d(K K^T . Gamma)
     grad_qk, grad_qk_decayed_scores, grad_log = terms.scores.backward(grad_scores, terms.gated)
     if grad_qk_decayed_scores is not None:
         grad_qk_decayed += grad_qk_decayed_scores
