@@ -1,0 +1,96 @@
+"""Converting the real SmolLM2-135M-Instruct GGUF (fetched by `delta-attention assets`; these tests fail without it).
+
+Short calibration and evaluation budgets keep this module at about two minutes on two cores; the full-size
+figures (8k held-out tokens, 4k calibration tokens) come from the commands in the README.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import delta_attention  # noqa: F401  (registers the Auto classes)
+from delta_attention.conversion import ConversionSettings, convert, convert_model
+from delta_attention.conversion.assets import heldout_texts, train_texts
+from delta_attention.conversion.convert import plan_layers
+from delta_attention.conversion.sources import load_source
+from delta_attention.conversion.text_windows import perplexity, token_windows
+
+pytestmark = pytest.mark.slow
+
+SEQ = 256
+FAST = dict(calibration_seq_len=SEQ, calibration_tokens=2048, search_windows=2, bf16=True)
+
+
+@pytest.fixture(scope="module")
+def teacher(smollm2_gguf):
+    """The GGUF loaded once (de-quantized to float32, about 20 s and 1.1 GB)."""
+    return load_source(str(smollm2_gguf))
+
+
+@pytest.fixture(scope="module")
+def heldout(teacher):
+    return token_windows(teacher.tokenizer, heldout_texts(), SEQ, 8)
+
+
+@pytest.fixture(scope="module")
+def teacher_ppl(teacher, heldout):
+    return perplexity(teacher.model, heldout, bf16=True)
+
+
+def test_keeping_every_layer_matches_the_gguf_model(teacher):
+    result = convert_model(teacher, ConversionSettings(keep_attention="all", **FAST), progress=False)
+    ids = token_windows(teacher.tokenizer, train_texts()[:3], 64, 2)
+    with torch.no_grad():
+        diff = (result.model(ids).logits - teacher.model(ids).logits).abs().max().item()
+    assert result.model.config.num_hidden_layers == 30 and result.model.config.tie_word_embeddings
+    assert diff <= 1e-4
+
+
+def test_calibrated_init_beats_copy_init_before_training(teacher, heldout, teacher_ppl):
+    results = {}
+    for init in ("copy", "calibrated"):
+        converted = convert_model(teacher, ConversionSettings(keep_attention="0.25", init=init, **FAST), progress=False)
+        assert converted.plan.kept == [0, 3, 7, 11, 15, 18, 22, 26]
+        results[init] = perplexity(converted.model, heldout, bf16=True)
+        del converted
+    print(f"\nheld-out perplexity ({heldout.numel()} tokens), hybrid 8/30 softmax, before training: "
+          f"teacher {teacher_ppl:.2f}, copy init {results['copy']:.2f}, calibrated init {results['calibrated']:.2f}")
+    assert teacher_ppl < results["calibrated"] < results["copy"]
+    assert teacher_ppl < 60  # sanity of the held-out text and of the de-quantized teacher
+
+
+@pytest.mark.parametrize("keep", ["0.25", "none"])
+def test_hybrid_and_all_delta_save_reload_and_generate(teacher, tmp_path, keep):
+    out = tmp_path / f"smollm2-{keep}"
+    result = convert(teacher, out, ConversionSettings(keep_attention=keep, init="copy", **FAST), progress=False,
+                     log=lambda *a: None)
+    assert len(result.plan.delta) == (22 if keep == "0.25" else 30)
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    prompt = teacher.tokenizer("The President said that", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(reloaded(prompt).logits, result.model(prompt).logits)
+    generated = reloaded.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False)
+    assert generated.shape == (1, prompt.shape[1] + 8)
+    card = (out / "README.md").read_text()
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in card and "cache at 1,048,576 tokens" in card
+    record = json.loads((out / "conversion.json").read_text())
+    assert record["source"]["kind"] == "gguf" and record["settings"]["init"] == "copy"
+    assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
+
+
+def test_auto_ranking_keeps_layer_zero_and_the_costliest_layers(teacher):
+    settings = ConversionSettings(keep_attention="auto:0.25", rank_tokens=2 * SEQ, **FAST)
+    windows = token_windows(teacher.tokenizer, train_texts(), SEQ, 2)
+    plan = plan_layers(teacher.config, settings, teacher.model, windows, progress=False)
+    print(f"\nauto:0.25 kept {plan.kept}; ranking (layer: perplexity with its attention bypassed, baseline "
+          f"{plan.baseline_perplexity:.1f}): " + ", ".join(f"{i}:{p:.3g}" for i, p in plan.ranking))
+    assert len(plan.kept) == 8 and 0 in plan.kept
+    assert len(plan.ranking) == 30
+    costs = dict(plan.ranking)
+    others = sorted((i for i in costs if i != 0), key=lambda i: -costs[i])
+    assert set(others[:7]) == set(plan.kept) - {0}
+    assert all(costs[i] >= plan.baseline_perplexity * 0.9 for i in costs)
