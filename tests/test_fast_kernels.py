@@ -279,3 +279,34 @@ def test_benchmark_pipeline_runs_end_to_end(tmp_path):
     long_results = {"model": benchmark.SMOKE_SHAPE, "piece_size": 64, "rows": [short, long],
                     "peak_rss_ratio": long["peak_rss_bytes"] / short["peak_rss_bytes"]}
     assert "| 512 |" in "\n".join(bench_report.long_table(long_results))
+
+
+@pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
+def test_fla_dispatch_plumbing_with_a_stand_in(monkeypatch, gate):
+    """On CPU, a stand-in with fla's keyword interface (and its `state_v_first` flag) checks what the dispatch
+    hands over: 16-bit q/k/v, float32 [B, H, K, V] state, the K-first layout asked for explicitly."""
+    calls = []
+
+    def stand_in(q, k, v, beta, scale, initial_state, output_final_state, g=None, state_v_first=None, **kwargs):
+        calls.append(dict(dtype=q.dtype, state=None if initial_state is None else initial_state.dtype,
+                          state_v_first=state_v_first, gated=g is not None))
+        assert output_final_state and state_v_first is False
+        out, final = delta_rule_reference(q.float(), k.float(), v.float(), beta.float(), g, initial_state, scale)
+        return out.to(q.dtype), final
+
+    for name in ("_fla_chunk_delta", "_fla_recurrent_delta", "_fla_chunk_gated", "_fla_recurrent_gated",
+                 "_fla_chunk_kda", "_fla_recurrent_kda"):
+        monkeypatch.setattr(delta_fla, name, stand_in, raising=False)
+    monkeypatch.setattr(delta_fla, "_FLA_IMPORTED", True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    q, k, v, beta, g = random_inputs(gate, seq_len=20)
+    state = torch.randn(2, 2, 16, 8)
+    o, s = chunk_delta_rule(q, k, v, beta, g, initial_state=state)
+    o1, s1 = recurrent_delta_rule(q[:, :1], k[:, :1], v[:, :1], beta[:, :1], None if g is None else g[:, :1],
+                                  initial_state=state, inplace=True)
+    monkeypatch.undo()
+    o_ref, s_ref = delta_rule_reference(q, k, v, beta, g, initial_state=state)
+    assert len(calls) == 2 and all(c["dtype"] == torch.bfloat16 and c["state"] == torch.float32 for c in calls)
+    assert all(c["gated"] == (gate != "none") for c in calls)
+    assert o.dtype == torch.float32 and (o - o_ref).abs().max() <= 2e-2 and (s - s_ref).abs().max() <= 2e-2
+    assert (o1 - o_ref[:, :1]).abs().max() <= 2e-2
