@@ -178,29 +178,27 @@ class _Scores:
     def backward(self, grad: torch.Tensor, gated: torch.Tensor):
         """Gradients of `sum(grad * scores)` for a masked float32 `grad` [..., 2, C, C]; `gated` is `forward()`.
 
-        Returns (d_qk, d_qk_decayed, d_log): gradients with respect to the raw [q; k] and to [Q; K] . exp(G)
-        ([..., 2, C, K] float32, or None where that operand is not used) and to the log-decay (or None).
+        Returns (d_qk, d_qk_decayed, d_k, d_log), float32 or None where there is none: the gradients with respect
+        to the raw [q; k] and to [Q; K] . exp(G) ([..., 2, C, K]), to the raw k alone ([..., C, K]) and to the
+        log-decay.
         """
         mm = self.qk.dtype
         if self.mode == "factored":
             flat = grad.to(mm).flatten(-3, -2)  # [..., 2C, C]
             d_left = (flat @ self.right).float().unflatten(-2, (2, self.chunk))  # [..., 2, C, K]
             d_right = (flat.mT @ self.qk_decayed.flatten(-3, -2)).float()  # [..., C, K]
-            if self.right is self.k:  # no decay: left is the raw [q; k] too
-                d_left[..., 1, :, :] += d_right
-                return d_left, None, None
-            inverse_decay = _per_token(self.inverse_decay, self.channel)
-            d_qk = torch.zeros_like(d_left)
-            torch.mul(d_right, inverse_decay, out=d_qk[..., 1, :, :])
+            if self.right is self.k:  # no decay: left and right are the raw q and k
+                return None, d_left, d_right, None
             d_log = -_to_decay_shape(d_right * _as(self.right, torch.float32), self.channel)
-            return d_qk, d_left, d_log
+            d_right *= _per_token(self.inverse_decay, self.channel)
+            return None, d_left, d_right, d_log
         if self.mode == "gamma":
             weighted = (grad * self.gamma[..., None, :, :]).to(mm)  # [..., 2, C, C]
             flat = weighted.flatten(-3, -2)  # [..., 2C, C]
             d_qk = (flat @ self.k).float().unflatten(-2, (2, self.chunk))  # [..., 2, C, K]
             d_qk[..., 1, :, :] += _as(flat.mT @ self.qk.flatten(-3, -2), torch.float32)
             contribution = (grad * gated).sum(-3)  # [..., C, C]
-            return d_qk, None, contribution.sum(-1) - contribution.sum(-2)
+            return d_qk, None, None, contribution.sum(-1) - contribution.sum(-2)
         n_sub, sub = self.chunk // self.sub, self.sub
         grad_mm = grad.to(mm).unflatten(-2, (n_sub, sub))  # [..., 2, n_sub, sub, C]
         hx = (grad_mm @ self.y[..., None, :, :, :]).flatten(-3, -2).float()  # [..., 2, C, K]
@@ -209,8 +207,7 @@ class _Scores:
         hy = (grad_mm.mT @ x).sum(-4).float()  # [..., n_sub, C, K]: q rows and k rows summed
         d_right = (hy * self.right_scale).sum(-3)  # [..., C, K]
         d_log = (self.qk.float() * d_qk).sum(-3) - self.k.float() * d_right
-        d_qk[..., 1, :, :] += d_right
-        return d_qk, None, d_log
+        return d_qk, None, d_right, d_log
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -392,18 +389,24 @@ def chunk_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_final):
     grad_scores = torch.empty(*qk.shape[:-2], chunk, chunk, dtype=torch.float32, device=qk.device)  # [..., 2, C, C]
     grad_scores[..., 0, :, :] = (grad_out @ v_new.mT).tril_()  # dM
     torch.mul(grad_a, beta[..., :, None], out=grad_scores[..., 1, :, :])  # d(K K^T . Gamma)
-    grad_qk, grad_qk_decayed_scores, grad_log = terms.scores.backward(grad_scores, terms.gated)
+    grad_qk_raw, grad_qk_decayed_scores, grad_k_raw, grad_log = terms.scores.backward(grad_scores, terms.gated)
     if grad_qk_decayed_scores is not None:
         grad_qk_decayed += grad_qk_decayed_scores
 
+    # chain [Q; K] . exp(G) and K . exp(G_C - G) back to the raw q and k
     if log_decay is None:
-        grad_qk += grad_qk_decayed
-        grad_qk[..., 1, :, :] += grad_k_to_end
+        grad_qk = grad_qk_decayed
+    else:
+        grad_qk = grad_qk_decayed * _per_token(terms.decay, channel)[..., None, :, :]
+    if grad_qk_raw is not None:
+        grad_qk += grad_qk_raw
+    grad_k = grad_qk[..., 1, :, :]
+    if grad_k_raw is not None:
+        grad_k += grad_k_raw
+    if log_decay is None:
+        grad_k += grad_k_to_end
         return grad_qk, grad_v, grad_beta, None, grad_state
-
-    decay_to_end = _per_token(terms.decay_to_end, channel)
-    grad_qk += grad_qk_decayed * _per_token(terms.decay, channel)[..., None, :, :]
-    grad_qk[..., 1, :, :] += grad_k_to_end * decay_to_end
+    grad_k.addcmul_(grad_k_to_end, _per_token(terms.decay_to_end, channel))
     # d/dG of [Q; K] . exp(G) and of K . exp(G_C - G); exp(G_C) also multiplies the state entering the chunk
     from_decayed = _to_decay_shape((grad_qk_decayed * qk_decayed).sum(-3), channel)
     to_end = _to_decay_shape(grad_k_to_end * _as(terms.k_to_end, torch.float32), channel)  # [..., C(, K)]
