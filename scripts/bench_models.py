@@ -111,8 +111,30 @@ def decode_ms_per_token(model, cache, steps: int) -> float:
     return times[len(times) // 2] * 1e3
 
 
+def delta_layer_ms_per_token(model, cache, repeats: int = 50) -> float:
+    """Median ms of one token through one delta layer (`DeltaAttention`, its state updated in the cache)."""
+    layer = model.model.layers[0].self_attn
+    hidden = torch.randn(1, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    hidden = hidden.to(next(model.parameters()).dtype)
+    times = []
+    with torch.no_grad():
+        for step in range(repeats + 5):
+            begin = time.perf_counter()
+            layer(hidden, attention_mask=None, cache=cache)
+            times.append(time.perf_counter() - begin)
+    times = sorted(times[5:])
+    return times[len(times) // 2] * 1e3
+
+
 def run_decode_benchmark(models: dict, contexts, steps: int, log=print) -> dict:
     rows = []
+    if "delta" in models:
+        for context in contexts:
+            cache = synthesized_cache(models["delta"], context)
+            ms = delta_layer_ms_per_token(models["delta"], cache)
+            size = cache_bytes(cache) // models["delta"].config.num_hidden_layers
+            rows.append({"model": "one delta layer", "context": context, "ms_per_token": ms, "cache_bytes": size})
+            log(f"decode {'one delta layer':20s} context {context:6d}: {ms:8.3f} ms/token, cache {size / 2**20:8.2f} MiB")
     variants = [("delta", None), ("hybrid", None), ("hybrid", "static"), ("llama", None), ("llama", "static")]
     for context in contexts:
         for name, kind in variants:

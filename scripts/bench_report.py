@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 
+def _tokens(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
 def _fmt_bytes(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
 
@@ -33,11 +37,11 @@ def decode_table(decode: dict) -> list[str]:
     contexts = sorted({row["context"] for row in decode["rows"]})
     models = list(dict.fromkeys(row["model"] for row in decode["rows"]))
     cell = {(row["model"], row["context"]): row for row in decode["rows"]}
-    head = "| model | " + " | ".join(f"{c // 1024}k ms/token" for c in contexts) + " | " + " | ".join(
-        f"{c // 1024}k cache" for c in contexts) + " |"
+    head = "| model | " + " | ".join(f"{_tokens(c)} ms/token" for c in contexts) + " | " + " | ".join(
+        f"{_tokens(c)} cache" for c in contexts) + " |"
     lines = [f"Decode, one token ({decode['cache']}):", "", head, "|---|" + "---:|" * (2 * len(contexts))]
     for model in models:
-        times = " | ".join(f"{cell[(model, c)]['ms_per_token']:.1f}" if (model, c) in cell else "-" for c in contexts)
+        times = " | ".join(f"{cell[(model, c)]['ms_per_token']:.2f}" if (model, c) in cell else "-" for c in contexts)
         sizes = " | ".join(_fmt_bytes(cell[(model, c)]["cache_bytes"]) if (model, c) in cell else "-" for c in contexts)
         lines.append(f"| {model} | {times} | {sizes} |")
     return lines
@@ -48,7 +52,7 @@ def prefill_table(prefill: dict) -> list[str]:
     models = list(dict.fromkeys(row["model"] for row in prefill["rows"]))
     cell = {(row["model"], row["tokens"]): row["tokens_per_second"] for row in prefill["rows"]}
     lines = ["Prefill (logits of the last token only):", "",
-             "| model | " + " | ".join(f"{n // 1024}k tokens/s" for n in lengths) + " |",
+             "| model | " + " | ".join(f"{_tokens(n)} tokens/s" for n in lengths) + " |",
              "|---|" + "---:|" * len(lengths)]
     for model in models:
         lines.append(f"| {model} | " + " | ".join(f"{cell[(model, n)]:,.0f}" for n in lengths) + " |")
@@ -106,7 +110,7 @@ def target_checks(results: dict) -> list[str]:
         delta = [cell[("delta", c)] for c in contexts if ("delta", c) in cell]
         if len(delta) > 1:
             spread = max(r["ms_per_token"] for r in delta) / min(r["ms_per_token"] for r in delta) - 1
-            check(f"all-delta decode flat from {contexts[0] // 1024}k to {contexts[-1] // 1024}k",
+            check(f"all-delta decode flat from {_tokens(contexts[0])} to {_tokens(contexts[-1])}",
                   f"{100 * spread:.0f}% spread", "within 15%", spread <= 0.15)
             sizes = {r["cache_bytes"] for r in delta}
             check("all-delta cache bytes constant", _fmt_bytes(max(sizes)), "constant", len(sizes) == 1)
@@ -114,7 +118,7 @@ def target_checks(results: dict) -> list[str]:
         for llama in ("llama", "llama+StaticCache"):
             if ("delta", last) in cell and (llama, last) in cell:
                 ratio = cell[(llama, last)]["ms_per_token"] / cell[("delta", last)]["ms_per_token"]
-                check(f"decode at {last // 1024}k vs {llama}", f"{ratio:.1f}x faster", ">= 5x", ratio >= 5)
+                check(f"decode at {_tokens(last)} vs {llama}", f"{ratio:.1f}x faster", ">= 5x", ratio >= 5)
     long = results.get("long")
     if long:
         check(f"{long['rows'][1]['tokens']:,}-token prompt peak RSS vs {long['rows'][0]['tokens']:,}",
