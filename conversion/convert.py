@@ -27,7 +27,7 @@ from delta_attention.modeling import DeltaForCausalLM
 from . import init as I
 from .attention_transfer import collect_teacher_activations
 from .calibration import LayerCalibration, calibrate_layer
-from .layer_plan import DELTA, LayerPlan, choose_auto, make_plan, parse_keep
+from .layer_plan import LayerPlan, choose_auto, make_plan, parse_keep
 from .memory import MemoryReport, count_parameters, memory_report
 from .sources import Source, SourceRef, check_layout, check_supported, load_config, load_source, resolve, source_layer_types
 from .target_config import DeltaOptions, delta_config_from_source

@@ -295,7 +295,8 @@ def test_an_interrupted_save_leaves_no_folder(tmp_path, monkeypatch):
 
     monkeypatch.setattr(card, "conversion_card", boom)
     with pytest.raises(KeyboardInterrupt):
-        convert(str(source_dir), out, ConversionSettings(keep_attention="0", **FAST), progress=False, log=lambda *a: None)
+        convert(str(source_dir), out, ConversionSettings(keep_attention="0", init="copy", **FAST), progress=False,
+                log=lambda *a: None)
     assert not out.exists()
     assert not [p for p in listing(tmp_path) if p.startswith(".")]
 
