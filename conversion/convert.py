@@ -248,6 +248,14 @@ def source_spec(ref: SourceRef) -> str:
     return ref.path
 
 
+def _cast_parameters(model, dtype: torch.dtype) -> None:
+    """Cast the parameters only: buffers such as RoPE's `inv_freq` stay float32, as `from_pretrained` leaves them."""
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    model.config.dtype = dtype
+
+
 def _output_dtype(settings: ConversionSettings, source_model) -> torch.dtype:
     if settings.dtype == "auto":
         return next(source_model.parameters()).dtype
@@ -287,7 +295,8 @@ def convert_model(source, settings: ConversionSettings | None = None, tokenizer=
             windows = calibration_windows(tokenizer, settings, vocab, calibration_texts)
         used = windows.numel()
         calibration = initialise_from_teacher(student, teacher, plan, windows, settings, progress)
-    student = student.to(_output_dtype(settings, teacher)).eval()
+    _cast_parameters(student, _output_dtype(settings, teacher))
+    student.eval()
     if source.ref is not None:
         setattr(student.config, SOURCE_ATTRIBUTE, source_spec(source.ref))
     memory = memory_report(teacher.config, student.config, plan.source_types, _output_dtype(settings, teacher),

@@ -66,10 +66,11 @@ def test_calibrated_init_beats_copy_init_before_training(teacher, heldout, teach
 @pytest.mark.parametrize("keep", ["0.25", "none"])
 def test_hybrid_and_all_delta_save_reload_and_generate(teacher, tmp_path, keep):
     out = tmp_path / f"smollm2-{keep}"
-    result = convert(teacher, out, ConversionSettings(keep_attention=keep, init="copy", **FAST), progress=False,
-                     log=lambda *a: None)
+    settings = ConversionSettings(keep_attention=keep, init="copy", dtype="bfloat16", **FAST)  # half the bytes to write
+    result = convert(teacher, out, settings, progress=False, log=lambda *a: None)
     assert len(result.plan.delta) == (22 if keep == "0.25" else 30)
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert reloaded.dtype == torch.bfloat16
     prompt = teacher.tokenizer("The President said that", return_tensors="pt")["input_ids"]
     with torch.no_grad():
         assert torch.equal(reloaded(prompt).logits, result.model(prompt).logits)
