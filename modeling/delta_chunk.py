@@ -30,6 +30,10 @@ import torch
 # every token of the sub-block) the caller falls back to the exact elementwise path.
 SUB_BLOCK = 16
 LOG_SPAN_LIMIT = 60.0
+# chunk matrices (chunks x batch x heads) per segment of the forward and the backward (see `_segments`):
+# 144 (16 chunks of 9 heads) measured best here; all chunks at once made forward+backward at T = 8192 (B=1, H=9,
+# one thread) 15-35% slower (bf16 438 vs 318 ms), 72 per segment was no better than 144.
+SEGMENT_MATRICES = 144
 
 
 def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
@@ -263,26 +267,22 @@ class _ChunkTerms:
         return decay[..., None] if self.channel else decay[..., None, None]
 
 
-def _scan_forward(terms: _ChunkTerms, state: torch.Tensor, value_dim: int):
+def _scan_forward(terms: _ChunkTerms, states: torch.Tensor, v_new: torch.Tensor) -> None:
     """The sequential part: per chunk V' = U - W S, then S <- exp(G_C) S + Ke^T V'.
 
-    Returns the states [N + 1, BH, K, V] (float32: entering each chunk, then the final one) and V' [N, BH, C, V]
-    (matmul dtype). With bf16 inputs the two matmuls run in bf16 and their products are added to the float32
-    state. (A variant that precomputes P = Diag(exp(G_C)) - Ke^T W and R = Ke^T U, leaving one matmul per chunk,
+    Fills `states` [N + 1, BH, K, V] (float32; [0], the state entering the first chunk, is given) and `v_new`
+    [N, BH, C, V] (matmul dtype). With bf16 inputs the two matmuls run in bf16 and their products are added to the
+    float32 state. (A variant that precomputes P = Diag(exp(G_C)) - Ke^T W and R = Ke^T U, leaving one matmul per chunk,
     measured 15-30% slower in float32 and no faster in bf16: it costs two more batched matmuls, M W and Ke^T W,
     than the sequential matmul it saves.)
     """
     mm = terms.uw.dtype
+    value_dim = v_new.shape[-1]
     uw = terms.flat(terms.uw)  # [N, BH, C, V + K]
-    n_chunks, flat_heads, chunk = uw.shape[:3]
-    key_dim = uw.shape[-1] - value_dim
     u, w = uw[..., :value_dim], uw[..., value_dim:]
     k_to_end = terms.flat(terms.k_to_end)  # [N, BH, C, K]
     decay = terms.chunk_decay()
-    states = torch.empty(n_chunks + 1, flat_heads, key_dim, value_dim, dtype=torch.float32, device=uw.device)
-    states[0] = state.reshape(flat_heads, key_dim, value_dim)
-    v_new = torch.empty(n_chunks, flat_heads, chunk, value_dim, dtype=mm, device=uw.device)
-    for n in range(n_chunks):
+    for n in range(uw.shape[0]):
         torch.baddbmm(u[n], w[n], states[n].to(mm), alpha=-1, out=v_new[n])
         if decay is None:
             states[n + 1] = states[n]
@@ -292,7 +292,14 @@ def _scan_forward(terms: _ChunkTerms, state: torch.Tensor, value_dim: int):
             states[n + 1].baddbmm_(k_to_end[n].mT, v_new[n])
         else:
             states[n + 1] += torch.bmm(k_to_end[n].mT, v_new[n]).float()
-    return states, v_new
+
+
+def _segments(n_chunks: int, flat_heads: int):
+    """Consecutive ranges of chunks to process at once. All chunks at once would be fewest ops, but long inputs
+    then stream every intermediate through memory several times; segments of about SEGMENT_MATRICES chunk
+    matrices (chunks x batch x heads) stay in cache and bound the backward's memory."""
+    step = max(1, SEGMENT_MATRICES // flat_heads)
+    return [(start, min(start + step, n_chunks)) for start in range(0, n_chunks, step)]
 
 
 def chunk_forward(qk, v, beta, log_decay, state):
@@ -303,14 +310,25 @@ def chunk_forward(qk, v, beta, log_decay, state):
     Returns (o [N, B, H, C, V] unscaled, states [N + 1, BH, K, V], V' [N, BH, C, V]); states[-1] is the final one.
     """
     n_chunks, batch, heads, _, chunk, key_dim = qk.shape
-    value_dim = v.shape[-1]
-    terms = _ChunkTerms(qk, v, beta, log_decay)
-    states, v_new = _scan_forward(terms, state, value_dim)
-    # O = Q . exp(G) S + M V', batched over all chunks
-    q_decayed = terms.qk_decayed[..., 0, :, :].reshape(-1, chunk, key_dim)
-    out = torch.bmm(q_decayed, states[:-1].to(qk.dtype).view(-1, key_dim, value_dim))
-    out = torch.baddbmm(out, terms.m.reshape(-1, chunk, chunk), v_new.view(-1, chunk, value_dim))
-    return out.view(n_chunks, batch, heads, chunk, value_dim), states, v_new
+    value_dim, mm, flat_heads = v.shape[-1], qk.dtype, batch * heads
+    out = torch.empty(n_chunks, batch, heads, chunk, value_dim, dtype=mm, device=qk.device)
+    states = torch.empty(n_chunks + 1, flat_heads, key_dim, value_dim, dtype=torch.float32, device=qk.device)
+    states[0] = state.reshape(flat_heads, key_dim, value_dim)
+    v_new = torch.empty(n_chunks, flat_heads, chunk, value_dim, dtype=mm, device=qk.device)
+    for start, end in _segments(n_chunks, flat_heads):
+        segment = slice(start, end)
+        terms = _ChunkTerms(qk[segment], v[segment], beta[segment], _part(log_decay, segment))
+        _scan_forward(terms, states[start : end + 1], v_new[segment])
+        # O = Q . exp(G) S + M V', batched over the segment's chunks
+        q_decayed = terms.qk_decayed[..., 0, :, :].reshape(-1, chunk, key_dim)
+        out_flat = out[segment].view(-1, chunk, value_dim)
+        torch.bmm(q_decayed, states[start:end].to(mm).view(-1, key_dim, value_dim), out=out_flat)
+        out_flat.baddbmm_(terms.m.reshape(-1, chunk, chunk), v_new[segment].view(-1, chunk, value_dim))
+    return out, states, v_new
+
+
+def _part(x: torch.Tensor | None, segment: slice) -> torch.Tensor | None:
+    return None if x is None else x[segment]
 
 
 def _scan_backward(terms: _ChunkTerms, grad_out: torch.Tensor, grad_final: torch.Tensor | None, value_dim: int):
@@ -350,10 +368,32 @@ def _scan_backward(terms: _ChunkTerms, grad_out: torch.Tensor, grad_final: torch
 
 def chunk_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_final):
     """Gradients of the chunked delta rule. `grad_out` [N, B, H, C, V] is for the unscaled output; `states` and
-    `v_new` are what `chunk_forward` returned.
+    `v_new` are what `chunk_forward` returned. Segments run last to first, the state gradient carried between them.
 
     Returns (dqk [N, B, H, 2, C, K], dv, dbeta, dlog_decay (cumulative, same shape as log_decay), dstate).
     """
+    n_chunks, batch, heads = qk.shape[:3]
+    grad_qk = torch.empty(qk.shape, dtype=torch.float32, device=qk.device)
+    grad_v = torch.empty(v.shape, dtype=torch.float32, device=qk.device)
+    grad_beta = torch.empty_like(beta)
+    grad_log = None if log_decay is None else torch.empty_like(log_decay)
+    carried = grad_final
+    for start, end in reversed(_segments(n_chunks, batch * heads)):
+        segment = slice(start, end)
+        parts = _segment_backward(
+            qk[segment], v[segment], beta[segment], _part(log_decay, segment), states[start : end + 1],
+            v_new[segment], grad_out[segment], carried,
+        )
+        grad_qk[segment], grad_v[segment], grad_beta[segment] = parts[:3]
+        if grad_log is not None:
+            grad_log[segment] = parts[3]
+        carried = parts[4]
+    return grad_qk, grad_v, grad_beta, grad_log, carried
+
+
+def _segment_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_final):
+    """`chunk_backward` for consecutive chunks; `states` [N + 1, BH, K, V] from the one entering the first chunk to
+    the one leaving the last, `grad_final` the gradient there. Returns the same five gradients."""
     mm = qk.dtype
     n_chunks, batch, heads, _, chunk, key_dim = qk.shape
     value_dim = v.shape[-1]

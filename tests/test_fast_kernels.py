@@ -88,6 +88,15 @@ def test_custom_backward_matches_autograd_through_reference(gate, decay, chunk, 
         assert (a - b).abs().max() <= 1e-4 * max(1.0, b.abs().max().item()), name
 
 
+@pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
+def test_segments_carry_the_state_and_its_gradient(monkeypatch, gate):
+    """Long inputs run in segments of chunks; with 4 matrices per segment and B*H = 4 every chunk of 16 is its own
+    segment (70 tokens: 5), and the results must still equal the reference's."""
+    monkeypatch.setattr(delta_chunk, "SEGMENT_MATRICES", 4)
+    assert len(delta_chunk._segments(5, 4)) == 5
+    test_custom_backward_matches_autograd_through_reference(gate, 1.0, 16, None)
+
+
 def test_steep_channel_decay_takes_the_exact_elementwise_path():
     # e^-50 per token: a 16-token sub-block decays by e^-800, beyond any factorisation
     q, k, v, beta, g = random_inputs("channel", seq_len=40, decay=50.0)
