@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job, end to end on a fresh machine: set up (venv + offline assets), convert the real SmolLM2-135M
-# GGUF to a hybrid delta-attention model (a quarter of the layers keep softmax attention, calibrated init),
-# then print held-out perplexity of the original and the converted model and a few generated sentences.
+# GGUF to a hybrid delta-attention model (the quarter of the layers whose bypass costs most perplexity keep
+# softmax attention; calibrated init), then print held-out perplexity of the original and the converted model
+# and a few generated sentences from each.
 # A few minutes on 2 CPU cores. Usage: bash scripts/demo.sh [OUTPUT_DIR]
 # DELTA_ATTENTION_VENV=path uses an existing environment instead of running scripts/setup.sh.
 set -euo pipefail
@@ -18,5 +19,5 @@ OUT=${1:-$CACHE/demo/smollm2-135m-delta-hybrid}
 GGUF=$("$BIN/python" -c "from delta_attention.conversion.assets import smollm2_gguf_path; print(smollm2_gguf_path())")
 
 "$BIN/delta-attention" convert "$GGUF" --out "$OUT" --overwrite \
-    --keep-attention 0.25 --init calibrated --calibration-steps 40
+    --keep-attention auto:0.25 --init calibrated --calibration-steps 40
 "$BIN/python" -m delta_attention.scripts.demo "$OUT"
