@@ -51,6 +51,8 @@ def cache_bytes(cache) -> int:
     for layer in cache.layers:
         for name in ("keys", "values", "conv_states", "recurrent_states"):
             value = getattr(layer, name, None)
+            if isinstance(value, dict):  # linear-attention layers keep {state index: tensor}
+                value = list(value.values())
             for tensor in value if isinstance(value, (list, tuple)) else [value]:
                 if isinstance(tensor, torch.Tensor):
                     total += tensor.numel() * tensor.element_size()
