@@ -418,8 +418,9 @@ class DeltaForCausalLM(DeltaPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
-    # prompts longer than this are prefilled in pieces of this many tokens when no gradient is needed (0: never)
-    prefill_piece_size = 8192
+    # prompts longer than this are prefilled in pieces of this many tokens when no gradient is needed (0: never);
+    # 4096 measured as fast as 8192 or faster (a smaller working set) with half the peak memory
+    prefill_piece_size = 4096
 
     def __init__(self, config: DeltaConfig):
         super().__init__(config)
