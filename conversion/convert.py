@@ -15,8 +15,6 @@ import copy
 import dataclasses
 import json
 import math
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -29,6 +27,7 @@ from .attention_transfer import collect_teacher_activations
 from .calibration import LayerCalibration, calibrate_layer
 from .layer_plan import LayerPlan, choose_auto, make_plan, parse_keep
 from .memory import MemoryReport, count_parameters, memory_report
+from .saving import atomic_save
 from .sources import Source, SourceRef, check_layout, check_supported, load_config, load_source, resolve, source_layer_types
 from .target_config import DeltaOptions, delta_config_from_source
 from .text_windows import mean_nll, random_windows, token_windows
@@ -330,11 +329,9 @@ def save_converted(result: ConversionResult, out, tokenizer=None, overwrite: boo
     from .card import conversion_card
 
     out = check_output(out, overwrite, result.source_ref)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    retired = None
     steps = ["weights and model code", "tokenizer", "model card", "conversion record"]
-    try:
+
+    def write(staging: Path) -> None:
         with tqdm(total=len(steps), desc="saving", disable=not progress) as bar:
             bar.set_postfix_str(steps[0])
             result.model.save_pretrained(staging)
@@ -342,23 +339,17 @@ def save_converted(result: ConversionResult, out, tokenizer=None, overwrite: boo
             if tokenizer is not None:
                 tokenizer.save_pretrained(staging)
             bar.update()
-            result.out = out
             conversion_card(result, model_path=out.name).save(staging / "README.md")
             bar.update()
             (staging / "conversion.json").write_text(json.dumps(result.record(), indent=2) + "\n")
             bar.update()
-        if out.exists():
-            retired = out.with_name(f".{out.name}.old-{staging.name.rsplit('-', 1)[-1]}")
-            out.rename(retired)
-        staging.rename(out)
+
+    result.out = out
+    try:
+        atomic_save(write, out)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        if retired is not None and not out.exists():
-            retired.rename(out)
         result.out = None
         raise
-    if retired is not None:
-        shutil.rmtree(retired, ignore_errors=True)
     return out
 
 

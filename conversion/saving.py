@@ -2,27 +2,35 @@
 
 from __future__ import annotations
 
-import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 
 def atomic_save(save: Callable[[Path], object], folder: str | Path) -> Path:
-    """Run `save(temporary_folder)`, then rename it to `folder` (replacing an older one) only once it completed.
+    """Run `save(staging_folder)`, then move the result to `folder` only once `save` completed.
 
-    The temporary folder is a hidden sibling (`.partial-NAME`), removed if `save` raises.
+    The staging folder is a hidden sibling (`.NAME.partial-XXXX`), removed if `save` raises. An older `folder` is
+    moved aside first and deleted only after the new one is in place, so it is restored if the move fails.
     """
     folder = Path(folder)
-    partial = folder.with_name(f".partial-{folder.name}")
-    shutil.rmtree(partial, ignore_errors=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
+    retired = None
     try:
-        save(partial)
+        save(staging)
+        if folder.exists():
+            retired = folder.with_name(f".{folder.name}.old-{staging.name.rsplit('-', 1)[-1]}")
+            folder.rename(retired)
+        staging.rename(folder)
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        if retired is not None and not folder.exists():
+            retired.rename(folder)
         raise
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(partial, folder)
+    if retired is not None:
+        shutil.rmtree(retired, ignore_errors=True)
     return folder
 
 

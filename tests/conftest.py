@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import delta_attention
 from delta_attention import DeltaConfig, DeltaForCausalLM
@@ -57,6 +58,27 @@ def tiny_tokenizer():
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+def delta_rule_inputs(gate, batch=2, seq_len=65, heads=3, key_dim=16, value_dim=8, decay=1.0, seed=0,
+                      dtype=torch.float32):
+    """Random kernel inputs [B, T, H, D]: L2-normalised q and k, v, beta in (0, 1) and, for the "scalar" and
+    "channel" gates, a log-decay in (-decay, 0] per head or per key channel (None for "none")."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    q = F.normalize(randn(batch, seq_len, heads, key_dim), dim=-1)
+    k = F.normalize(randn(batch, seq_len, heads, key_dim), dim=-1)
+    v = randn(batch, seq_len, heads, value_dim)
+    beta = torch.rand(batch, seq_len, heads, generator=generator)
+    g = None
+    if gate == "scalar":
+        g = -decay * torch.rand(batch, seq_len, heads, generator=generator)
+    elif gate == "channel":
+        g = -decay * torch.rand(batch, seq_len, heads, key_dim, generator=generator)
+    return q.to(dtype), k.to(dtype), v.to(dtype), beta, g
 
 
 HYBRID_LAYERS = ["linear_attention", "full_attention", "sliding_attention", "linear_attention"]

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -26,6 +23,7 @@ from transformers import (
 
 import delta_attention  # noqa: F401  (registers the Auto classes)
 from conftest import tiny_tokenizer
+from isolated import load_isolated
 from delta_attention.conversion import ConversionSettings, convert, convert_model
 from delta_attention.conversion.convert import SOURCE_ATTRIBUTE, build_delta_model
 from delta_attention.conversion.init import GATE_BIAS, repeat_kv_rows
@@ -182,41 +180,6 @@ def test_auto_ranking_on_a_tiny_model():
 
 # -------------------------------------------------------------------------------------------- saving and loading
 
-ISOLATED = textwrap.dedent(
-    """
-    import importlib.abc, json, sys
-    class Block(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "delta_attention" or name.startswith("delta_attention."):
-                raise ImportError("delta_attention is blocked in this process")
-    sys.meta_path.insert(0, Block())
-    try:
-        import delta_attention
-        raise SystemExit("delta_attention was importable")
-    except ImportError:
-        pass
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    folder, ids = sys.argv[1], torch.tensor(json.loads(sys.argv[2]))
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
-    assert "delta_attention" not in type(model).__module__, type(model).__module__
-    import os
-    vocab = len(AutoTokenizer.from_pretrained(folder)) if os.path.exists(os.path.join(folder, "tokenizer.json")) else 0
-    with torch.no_grad():
-        logits = model(ids).logits
-    generated = model.generate(ids[:1, :6], max_new_tokens=8, do_sample=False)
-    torch.save({"logits": logits, "generated": generated, "vocab": vocab}, sys.argv[3])
-    """
-)
-
-
-def run_isolated(folder, ids, out):
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    return subprocess.run([sys.executable, "-c", ISOLATED, str(folder), json.dumps(ids.tolist()), str(out)],
-                          env=env, capture_output=True, text=True, cwd=str(out.parent))
-
-
 def saved_source(tmp_path, family: str):
     """A saved tiny source; with the tiny word-level tokenizer, except for Qwen2, whose folders Transformers
     reads with its own BPE `Qwen2Tokenizer` (so that source also covers the no-tokenizer path)."""
@@ -247,9 +210,7 @@ def test_hybrid_conversion_saves_reloads_in_a_fresh_process_and_generates(tmp_pa
     assert record["plan"]["kept"] == [0, 2] and record["source"]["model_type"] == family
 
     ids = input_ids(length=20)
-    outcome = run_isolated(out, ids, tmp_path / "isolated.pt")
-    assert outcome.returncode == 0, outcome.stderr[-3000:]
-    isolated = torch.load(tmp_path / "isolated.pt")
+    isolated = load_isolated(out, ids.tolist(), tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         assert torch.equal(isolated["logits"], reloaded(ids).logits)

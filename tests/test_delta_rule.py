@@ -6,26 +6,12 @@ import torch.nn.functional as F
 
 from delta_attention import chunk_delta_rule, delta_rule_reference, recurrent_delta_rule
 
+from conftest import delta_rule_inputs
+
 GATES = ["none", "scalar", "channel"]
 
 
-def random_inputs(gate, batch=2, seq_len=65, heads=3, key_dim=16, value_dim=8, seed=0, dtype=torch.float32):
-    generator = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=generator)
-
-    q = F.normalize(randn(batch, seq_len, heads, key_dim), dim=-1)
-    k = F.normalize(randn(batch, seq_len, heads, key_dim), dim=-1)
-    v = randn(batch, seq_len, heads, value_dim)
-    beta = torch.rand(batch, seq_len, heads, generator=generator)
-    g = None
-    if gate == "scalar":
-        g = -torch.rand(batch, seq_len, heads, generator=generator)
-    elif gate == "channel":
-        g = -torch.rand(batch, seq_len, heads, key_dim, generator=generator)
-    cast = (lambda x: x.to(dtype)) if dtype != torch.float32 else (lambda x: x)
-    return cast(q), cast(k), cast(v), beta, g
+random_inputs = delta_rule_inputs
 
 
 @pytest.mark.parametrize("gate", GATES)

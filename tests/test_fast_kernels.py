@@ -2,6 +2,8 @@
 every exact form of the decayed scores), bf16 accuracy, the in-place decode step, piecewise prefill of long
 prompts, and (only where CUDA and flash-linear-attention exist) parity of fla's kernels with ours."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,25 +12,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from delta_attention.modeling import delta_chunk, delta_fla
 from delta_attention.modeling.delta_rule import chunk_delta_rule, delta_rule_reference, recurrent_delta_rule
 
-from conftest import HYBRID_LAYERS, tiny_delta_model
+from conftest import HYBRID_LAYERS, delta_rule_inputs, tiny_delta_model
 
 
-def random_inputs(gate, batch=2, seq_len=70, heads=2, key_dim=16, value_dim=8, decay=1.0, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=generator)
-
-    q = F.normalize(randn(batch, seq_len, heads, key_dim), dim=-1)
-    k = F.normalize(randn(batch, seq_len, heads, key_dim), dim=-1)
-    v = randn(batch, seq_len, heads, value_dim)
-    beta = torch.rand(batch, seq_len, heads, generator=generator)
-    g = None
-    if gate == "scalar":
-        g = -decay * torch.rand(batch, seq_len, heads, generator=generator)
-    elif gate == "channel":
-        g = -decay * torch.rand(batch, seq_len, heads, key_dim, generator=generator)
-    return q, k, v, beta, g
+random_inputs = functools.partial(delta_rule_inputs, seq_len=70, heads=2)
 
 
 def score_mode(g, chunk):

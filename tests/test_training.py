@@ -8,6 +8,7 @@ import torch
 from conftest import tiny_delta_model
 from delta_attention.conversion.checkpoints import latest_checkpoint
 from delta_attention.conversion.metrics import plot_metrics, read_metrics
+from delta_attention.conversion.saving import atomic_save
 from delta_attention.conversion.training import NonFiniteLossError, TrainingOptions, data_order, run_training
 
 BLOCKS = torch.randint(3, 97, (24, 32), generator=torch.Generator().manual_seed(0))
@@ -95,3 +96,20 @@ def test_bad_batch_settings_are_refused(tmp_path):
     options = TrainingOptions(batch_size=6, gradient_accumulation_steps=4)
     with pytest.raises(ValueError, match=r"batch_size \(6\) must be divisible by gradient_accumulation_steps \(4\)"):
         train(tmp_path, options)
+
+
+def test_atomic_save_replaces_a_folder_only_once_the_new_one_is_complete(tmp_path):
+    folder = tmp_path / "model"
+    atomic_save(lambda staging: (staging / "weights.txt").write_text("first"), folder)
+    assert (folder / "weights.txt").read_text() == "first"
+
+    def interrupted(staging):
+        (staging / "weights.txt").write_text("half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_save(interrupted, folder)
+    assert (folder / "weights.txt").read_text() == "first"  # the old folder is untouched
+    atomic_save(lambda staging: (staging / "weights.txt").write_text("second"), folder)
+    assert (folder / "weights.txt").read_text() == "second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no staging or retired folder left
