@@ -77,6 +77,10 @@ def attention_layers(model) -> list[torch.nn.Module]:
     return [layer.self_attn for layer in model.model.layers]
 
 
+class _LastLayerDone(Exception):
+    """Raised by the hook of the last asked layer: nothing after it is needed (later layers, the LM head)."""
+
+
 @torch.no_grad()
 def collect_teacher_activations(
     teacher,
@@ -89,7 +93,9 @@ def collect_teacher_activations(
     store_heads: bool = False,
     progress: bool = True,
 ) -> dict[int, LayerActivations]:
-    """Run `teacher` over `windows` ([N, T] token ids) once and return each asked layer's activations."""
+    """Run `teacher` over `windows` ([N, T] token ids) once and return each asked layer's activations.
+
+    Only the decoder runs, and only up to the last asked layer's attention: the rest could not change them."""
     layers = sorted(set(layers))
     modules = attention_layers(teacher)
     acc = {i: _Accumulator() for i in layers}
@@ -110,6 +116,8 @@ def collect_teacher_activations(
                 if weights is None:
                     raise RuntimeError(f"layer {i} returned no attention weights; eager attention is needed")
                 acc[i].add_stats(weights.detach())
+            if i == layers[-1]:
+                raise _LastLayerDone
 
         return hook
 
@@ -136,7 +144,10 @@ def collect_teacher_activations(
         for start in tqdm(range(0, len(windows), batch_size), desc="teacher activations", disable=not progress):
             ids = windows[start : start + batch_size].to(device)
             with autocast(bf16):
-                teacher(input_ids=ids, use_cache=False)
+                try:
+                    teacher.model(input_ids=ids, use_cache=False)
+                except _LastLayerDone:
+                    pass
     finally:
         for handle in handles:
             handle.remove()

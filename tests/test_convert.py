@@ -178,6 +178,38 @@ def test_auto_ranking_on_a_tiny_model():
     assert best_other in result.plan.kept
 
 
+def test_teacher_activations_stop_after_the_last_asked_layer():
+    from delta_attention.conversion.attention_transfer import collect_teacher_activations
+
+    source = tiny_source("llama")
+    ids = input_ids(length=24)
+    expected = {}
+
+    def keep(i):
+        def hook(module, args, output):
+            expected[i] = output[0].detach().clone()
+
+        return hook
+
+    hooks = [source.model.layers[i].self_attn.register_forward_hook(keep(i)) for i in (0, 1)]
+    with torch.no_grad():
+        source(ids)
+    for hook in hooks:
+        hook.remove()
+
+    ran = []
+    probes = [module.register_forward_hook(lambda *args, name=name: ran.append(name) and None)
+              for name, module in [("layer 2", source.model.layers[2]), ("layer 1 mlp", source.model.layers[1].mlp),
+                                   ("lm_head", source.lm_head)]]
+    with torch.no_grad():
+        acts = collect_teacher_activations(source, ids, [1, 0], batch_size=2, progress=False)
+    for probe in probes:
+        probe.remove()
+    assert ran == []
+    for i in (0, 1):
+        assert torch.allclose(acts[i].outputs, expected[i], atol=1e-6)
+
+
 # -------------------------------------------------------------------------------------------- saving and loading
 
 def saved_source(tmp_path, family: str):
