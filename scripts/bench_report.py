@@ -144,6 +144,15 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _label_x(ax, values) -> None:
+    """Ticks of a log x axis at the measured values only, written out (1,024 rather than 10^3)."""
+    from matplotlib.ticker import NullFormatter
+
+    values = sorted(set(values))
+    ax.set_xticks(values, [f"{v / 1024:g}k" if v >= 1024 else str(v) for v in values])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
 def plot(results: dict, path: str) -> None:
     """One PNG with a panel per part that ran."""
     import matplotlib
@@ -168,16 +177,19 @@ def plot(results: dict, path: str) -> None:
                     ax.plot([r["T"] for r in rows], [r["peer_ms"] for r in rows], ":", color=color, marker="x",
                             label=f"transformers {'Qwen3-Next' if gate == 'scalar' else 'KimiLinear'}")
             ax.set(xscale="log", yscale="log", xlabel="T (tokens)", ylabel="forward ms", title="kernel forward")
+            _label_x(ax, [r["T"] for r in data["rows"]])
         elif part == "decode":
             for model in dict.fromkeys(r["model"] for r in data["rows"]):
                 rows = [r for r in data["rows"] if r["model"] == model]
                 ax.plot([r["context"] for r in rows], [r["ms_per_token"] for r in rows], marker="o", label=model)
             ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms / token", title="decode")
+            _label_x(ax, [r["context"] for r in data["rows"]])
         elif part == "prefill":
             for model in dict.fromkeys(r["model"] for r in data["rows"]):
                 rows = [r for r in data["rows"] if r["model"] == model]
                 ax.plot([r["tokens"] for r in rows], [r["tokens_per_second"] for r in rows], marker="o", label=model)
             ax.set(xscale="log", xlabel="prompt (tokens)", ylabel="tokens / s", title="prefill")
+            _label_x(ax, [r["tokens"] for r in data["rows"]])
         else:
             rows = data["rows"]
             ax.bar([f"{r['tokens']:,}" for r in rows], [r["peak_rss_bytes"] / 2**20 for r in rows], color="tab:green")
