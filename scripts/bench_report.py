@@ -145,7 +145,7 @@ def markdown(results: dict) -> str:
 
 
 def _label_x(ax, values) -> None:
-    """Ticks of a log x axis at the measured values only, written out (1,024 rather than 10^3)."""
+    """Ticks of a log x axis at the measured values only, labelled 512, 1k, 4k... rather than 10^3."""
     from matplotlib.ticker import NullFormatter
 
     values = sorted(set(values))
