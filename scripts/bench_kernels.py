@@ -14,9 +14,11 @@ import torch
 import torch.nn.functional as F
 
 
-def timed(fn: Callable[[], object], min_repeats: int = 3, min_seconds: float = 1.0, max_repeats: int = 50) -> float:
-    """Median wall time of `fn` in seconds, after one warm-up call; repeats until `min_repeats` and `min_seconds`."""
-    fn()
+def timed(fn: Callable[[], object], min_repeats: int = 3, min_seconds: float = 1.0, max_repeats: int = 50,
+          warmup: int = 1) -> float:
+    """Median wall time of `fn` in seconds, after `warmup` calls; repeats until `min_repeats` and `min_seconds`."""
+    for _ in range(warmup):
+        fn()
     times = []
     start = time.perf_counter()
     while len(times) < max_repeats and (len(times) < min_repeats or time.perf_counter() - start < min_seconds):

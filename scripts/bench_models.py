@@ -118,14 +118,10 @@ def delta_layer_ms_per_token(model, cache, repeats: int = 50) -> float:
     layer = model.model.layers[0].self_attn
     hidden = torch.randn(1, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
     hidden = hidden.to(next(model.parameters()).dtype)
-    times = []
     with torch.no_grad():
-        for step in range(repeats + 5):
-            begin = time.perf_counter()
-            layer(hidden, attention_mask=None, cache=cache)
-            times.append(time.perf_counter() - begin)
-    times = sorted(times[5:])
-    return times[len(times) // 2] * 1e3
+        seconds = timed(lambda: layer(hidden, attention_mask=None, cache=cache), min_repeats=repeats,
+                        min_seconds=0.0, max_repeats=repeats, warmup=5)
+    return seconds * 1e3
 
 
 def run_decode_benchmark(models: dict, contexts, steps: int, log=print) -> dict:

@@ -198,7 +198,7 @@ def test_teacher_activations_stop_after_the_last_asked_layer():
         hook.remove()
 
     ran = []
-    probes = [module.register_forward_hook(lambda *args, name=name: ran.append(name) and None)
+    probes = [module.register_forward_hook(lambda *args, name=name: ran.append(name))
               for name, module in [("layer 2", source.model.layers[2]), ("layer 1 mlp", source.model.layers[1].mlp),
                                    ("lm_head", source.lm_head)]]
     with torch.no_grad():

@@ -11,14 +11,11 @@ from conftest import delta_rule_inputs
 GATES = ["none", "scalar", "channel"]
 
 
-random_inputs = delta_rule_inputs
-
-
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("seq_len", [1, 63, 64, 65, 300])
 @pytest.mark.parametrize("with_state", [False, True])
 def test_chunked_recurrent_and_reference_agree(gate, seq_len, with_state):
-    q, k, v, beta, g = random_inputs(gate, seq_len=seq_len)
+    q, k, v, beta, g = delta_rule_inputs(gate, seq_len=seq_len)
     state = torch.randn(2, 3, 16, 8) if with_state else None
     o_ref, s_ref = delta_rule_reference(q, k, v, beta, g, initial_state=state)
     o_rec, s_rec = recurrent_delta_rule(q, k, v, beta, g, initial_state=state)
@@ -32,7 +29,7 @@ def test_chunked_recurrent_and_reference_agree(gate, seq_len, with_state):
 
 @pytest.mark.parametrize("gate", GATES)
 def test_chunked_gradients_match_reference(gate):
-    q, k, v, beta, g = random_inputs(gate, seq_len=70, heads=2)
+    q, k, v, beta, g = delta_rule_inputs(gate, seq_len=70, heads=2)
     state = torch.randn(2, 2, 16, 8)
     inputs = [q, k, v, beta, state] + ([g] if g is not None else [])
     weights = torch.randn(2, 70, 2, 8)
@@ -52,7 +49,7 @@ def test_chunked_gradients_match_reference(gate):
 
 def test_strong_channel_decay_stays_finite_and_exact():
     # decays of e^-50 per token would overflow a naive exp(-cumsum) factorisation inside a chunk
-    q, k, v, beta, g = random_inputs("channel", seq_len=130, heads=2)
+    q, k, v, beta, g = delta_rule_inputs("channel", seq_len=130, heads=2)
     g = g * 50
     o_ref, s_ref = delta_rule_reference(q, k, v, beta, g)
     o_chunk, s_chunk = chunk_delta_rule(q, k, v, beta, g)
@@ -62,7 +59,7 @@ def test_strong_channel_decay_stays_finite_and_exact():
 
 @pytest.mark.parametrize("gate", GATES)
 def test_bf16_inputs_keep_a_float32_state(gate):
-    q, k, v, beta, g = random_inputs(gate, seq_len=100)
+    q, k, v, beta, g = delta_rule_inputs(gate, seq_len=100)
     o32, s32 = chunk_delta_rule(q, k, v, beta, g)
     o16, s16 = chunk_delta_rule(q.bfloat16(), k.bfloat16(), v.bfloat16(), beta, g)
     assert o16.dtype == torch.bfloat16 and s16.dtype == torch.float32
@@ -72,6 +69,6 @@ def test_bf16_inputs_keep_a_float32_state(gate):
 
 
 def test_initial_state_shape_is_checked():
-    q, k, v, beta, g = random_inputs("scalar", seq_len=5)
+    q, k, v, beta, g = delta_rule_inputs("scalar", seq_len=5)
     with pytest.raises(ValueError, match=r"initial_state has shape \(2, 3, 8, 8\), expected \(2, 3, 16, 8\)"):
         chunk_delta_rule(q, k, v, beta, g, initial_state=torch.zeros(2, 3, 8, 8))
