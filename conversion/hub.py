@@ -10,20 +10,26 @@ Tokens come from the usual huggingface_hub places (`HF_TOKEN`, `hf auth login`);
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
+from urllib.parse import urlparse
 
 from huggingface_hub import HfApi, ModelCard, ModelCardData, get_token
-from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+from huggingface_hub.utils import validate_repo_id
 
 from .card import GATE_NAMES, render
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
-SKIPPED = ("checkpoints", ".git", ".cache")
+# pickle-like weight files: matched on the lower-cased name's last suffix, once archive suffixes are dropped
+# (so `model.PT`, `optimizer.pth.tar` and `state.pkl.gz` are all refused, but `README.pt.md` is not)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib")
+ARCHIVE_SUFFIXES = (".tar", ".gz", ".tgz", ".bz2", ".xz", ".zst", ".lzma", ".zip")
+SKIPPED = ("checkpoints", ".git", ".cache")  # never uploaded, at any depth (nor is any hidden entry)
 
 
 @dataclasses.dataclass
@@ -47,26 +53,104 @@ def _is_local_path(name: str | None) -> bool:
     return bool(name) and (os.path.isabs(name) or name.startswith((".", "~")) or Path(name).exists())
 
 
-def _check_folder(folder: Path) -> str:
-    """'model' or 'adapter'; raises with the fix when the folder is neither or holds pickles."""
+def is_pickle_name(name: str) -> bool:
+    """Whether a file name looks like a pickle (torch/joblib/pickle), whatever its case or archive suffixes."""
+    suffixes = [suffix.lower() for suffix in Path(name).suffixes]
+    while suffixes and suffixes[-1] in ARCHIVE_SUFFIXES:
+        suffixes.pop()
+    return bool(suffixes) and suffixes[-1] in PICKLE_SUFFIXES
+
+
+def upload_plan(folder: Path) -> list[tuple[Path, str]]:
+    """The files `push` would upload, as (file to read, path in the repo), walking the whole tree.
+
+    Hidden entries and SKIPPED names are left out at every depth. A symbolic link is followed only when
+    it stays inside the folder (its target's content goes up under the link's name); one that leaves the
+    folder, dangles or loops back is refused, so no file from elsewhere on this machine is ever uploaded.
+    """
+    root = folder.resolve()
+    plan: list[tuple[Path, str]] = []
+
+    def walk(directory: Path, prefix: str, ancestors: frozenset[Path]) -> None:
+        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+            if entry.name.startswith(".") or entry.name in SKIPPED:
+                continue
+            name = prefix + entry.name
+            real = Path(os.path.realpath(entry.path))
+            if entry.is_symlink():
+                where = os.readlink(entry.path)
+                if real != root and root not in real.parents:
+                    raise ValueError(f"{folder}: {name} is a symbolic link to {where}, outside the folder; push "
+                                     "uploads only what is inside it: copy the file in or remove the link")
+                if not real.exists():
+                    raise ValueError(f"{folder}: {name} is a symbolic link to {where}, which does not exist; "
+                                     "remove the link or restore its target")
+                if is_pickle_name(real.name):
+                    raise ValueError(f"{folder}: {name} is a symbolic link to the pickle weight file {where}; "
+                                     "re-save it as safetensors before pushing")
+            if real.is_dir():
+                if real in ancestors:
+                    raise ValueError(f"{folder}: {name} is a symbolic link to {os.readlink(entry.path)}, a folder "
+                                     "that contains it, so the tree never ends; remove the link")
+                walk(real, name + "/", ancestors | {real})
+            elif real.is_file():
+                plan.append((real, name))
+            else:
+                raise ValueError(f"{folder}: {name} is not a regular file or folder (a pipe, socket or device); "
+                                 "move it out of the folder before pushing")
+
+    walk(root, "", frozenset({root}))
+    return plan
+
+
+def _check_folder(folder: Path) -> tuple[str, list[tuple[Path, str]]]:
+    """('model' or 'adapter', the upload plan); raises with the fix when the folder is neither or holds pickles."""
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no such folder")
-    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    plan = upload_plan(folder)
+    pickles = sorted(name for _, name in plan if is_pickle_name(name))
     if pickles:
         raise ValueError(f"{folder} holds pickle weight files {pickles}; re-save them as safetensors before pushing")
-    if (folder / "adapter_config.json").is_file():
-        return "adapter"
-    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
-        return "model"
+    names = {name for _, name in plan}
+    if "adapter_config.json" in names:
+        return "adapter", plan
+    if "config.json" in names and any("/" not in name and name.endswith(".safetensors") for name in names):
+        return "model", plan
     raise ValueError(f"{folder} is neither a model folder (config.json + *.safetensors) nor a PEFT adapter "
                      "(adapter_config.json)")
 
 
-def _stage(folder: Path, staging: Path) -> None:
-    for item in folder.iterdir():
-        if item.name.startswith(".") or item.name in SKIPPED:
-            continue
-        (shutil.copytree if item.is_dir() else shutil.copy2)(item, staging / item.name)
+def _check_repo_id(repo_id: str) -> None:
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise ValueError(f"--repo_id {repo_id!r} is not a Hub repo id: write OWNER/NAME or NAME, using letters, "
+                         "digits, '-', '_' and '.' (not at either end, no '--' or '..', at most 96 characters); "
+                         "nothing was pushed") from None
+
+
+def _stage(plan: list[tuple[Path, str]], staging: Path) -> None:
+    for source, name in plan:
+        target = staging / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, target)
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean the Hub could not be reached (HfHubHTTPError, a reply from the Hub, is handled first)."""
+    errors: list[type[BaseException]] = [OSError]  # socket errors, requests' errors, OfflineModeIsEnabled
+    for name in ("httpx", "httpx2"):  # the HTTP client of huggingface_hub 1.x / 2.x; their errors are not OSErrors
+        try:
+            errors.append(importlib.import_module(name).RequestError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
+
+
+def _first_line(text: str, token: str) -> str:
+    """The first line of an error's text, with the token (should a server or library echo it) masked."""
+    lines = (text or "").strip().splitlines()
+    return lines[0].replace(token, "***") if lines else ""
 
 
 def _without_local_paths(value, replacement):
@@ -132,14 +216,15 @@ def push(options: PushOptions) -> str:
         raise ValueError("give the folder and the repo: delta-attention push FOLDER --repo_id OWNER/NAME")
     if options.create_pr and options.revision:
         raise ValueError("--create_pr opens a pull request against the default branch; drop --revision")
+    _check_repo_id(options.repo_id)
     folder = Path(options.folder)
-    kind = _check_folder(folder)
+    kind, plan = _check_folder(folder)
     token = get_token()
     if not token:
         raise ValueError("no Hugging Face token found: run `hf auth login` or set HF_TOKEN; nothing was pushed")
     with tempfile.TemporaryDirectory(prefix="delta-push-") as tmp:
         staging = Path(tmp)
-        _stage(folder, staging)
+        _stage(plan, staging)
         if kind == "adapter":
             adapter_config = staging / "adapter_config.json"
             config = json.loads(adapter_config.read_text())
@@ -164,8 +249,16 @@ def push(options: PushOptions) -> str:
                                        create_pr=options.create_pr, commit_message=message)
         except HfHubHTTPError as error:
             status = error.response.status_code if error.response is not None else "?"
-            detail = (error.server_message or str(error)).strip().splitlines()[0]
+            detail = _first_line(error.server_message or str(error), token)
             raise ValueError(f"the Hub refused the push to {options.repo_id} (HTTP {status}: {detail}); "
                              "check the repo name and that your token may write there. The local folder is "
                              "unchanged.") from None
+        except _network_errors() as error:
+            parts = urlparse(api.endpoint)
+            host = parts.hostname or api.endpoint
+            host = f"{host}:{parts.port}" if parts.port else host
+            detail = _first_line(str(error), token)
+            reason = f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+            raise ValueError(f"could not reach the Hub at {host} ({reason}); check the network connection and "
+                             "HF_ENDPOINT, then push again. Nothing was pushed; the local folder is unchanged.") from None
     return commit.pr_url or commit.commit_url

@@ -1,13 +1,20 @@
 """`push` against a local stand-in of the Hub reached through HF_ENDPOINT: what is committed, and refusals."""
 
+import importlib
 import json
+import os
+import socket
 
 import pytest
+import requests
 import yaml
-from huggingface_hub import ModelCard
+from huggingface_hub import HfApi, ModelCard
+from huggingface_hub.errors import OfflineModeIsEnabled
 
 from conftest import HYBRID_LAYERS, tiny_delta_model, tiny_tokenizer
-from delta_attention.conversion.hub import PushOptions, push
+from delta_attention.conversion import hub as hub_module
+from delta_attention.conversion.hub import PushOptions, is_pickle_name, push
+from delta_attention.scripts.cli import main
 from hub_server import TOKEN, FakeHub
 
 CARD = """---
@@ -141,3 +148,147 @@ def test_folders_that_are_not_models_are_refused(hub, tmp_path):
     (tmp_path / "weights.bin").unlink()
     with pytest.raises(ValueError, match="neither a model folder"):
         push(PushOptions(folder=str(tmp_path), repo_id="me/x"))
+
+
+def small_model_folder(path):
+    """The least `push` takes for a model: config.json and a .safetensors file (content not checked)."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    (path / "model.safetensors").write_bytes(b"weights")
+    return path
+
+
+def tree(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("name", ["extra/optimizer.pt", "model.PT", "state.pickle", "scaler.joblib",
+                                  "model.pth.tar", "deep/er/opt.pt.tar", "Weights.Bin", "rng.pkl.gz"])
+def test_pickles_anywhere_in_any_case_or_wrapping_are_refused(hub, tmp_path, name):
+    folder = small_model_folder(tmp_path / "model")
+    (folder / name).parent.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_bytes(b"pickle")
+    with pytest.raises(ValueError, match=rf"pickle weight files \['{name}'\]; re-save them as safetensors"):
+        push(PushOptions(folder=str(folder), repo_id="me/x"))
+    assert hub.repos == {} and hub.commits == []
+
+
+def test_pickle_names_are_matched_on_the_last_real_suffix():
+    assert is_pickle_name("a.PTH") and is_pickle_name("a.ckpt.tar.gz") and is_pickle_name("a.joblib.zip")
+    assert not is_pickle_name("README.pt.md") and not is_pickle_name("data.tar") and not is_pickle_name("bin")
+
+
+def test_skipped_and_hidden_entries_stay_home_at_every_depth(hub, tmp_path):
+    folder = small_model_folder(tmp_path / "model")
+    for name in ["extra/notes.txt", "extra/checkpoints/step-1/optimizer.pt", "extra/.cache/blob",
+                 "extra/.git/config", "extra/.secret", "checkpoints/last/model.bin", ".hidden/state.pkl"]:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(b"x")
+    push(PushOptions(folder=str(folder), repo_id="me/x"))
+    assert set(hub.commits[0]["files"]) == {"config.json", "model.safetensors", "extra/notes.txt", "README.md"}
+
+
+@pytest.mark.parametrize("link", ["leak.txt", "extra/leak.txt", "shared"])
+def test_a_link_leaving_the_folder_is_refused_and_nothing_is_pushed(hub, tmp_path, link):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "id_rsa").write_text("secret")
+    folder = small_model_folder(tmp_path / "model")
+    (folder / link).parent.mkdir(parents=True, exist_ok=True)
+    target = outside if link == "shared" else outside / "id_rsa"
+    os.symlink(target, folder / link)
+    with pytest.raises(ValueError) as refused:
+        push(PushOptions(folder=str(folder), repo_id="me/x"))
+    message = str(refused.value)
+    assert f"{link} is a symbolic link to {target}, outside the folder" in message and "remove the link" in message
+    assert hub.repos == {} and hub.commits == []
+
+
+def test_a_link_that_stays_inside_goes_up_as_its_targets_content(hub, tmp_path):
+    folder = small_model_folder(tmp_path / "model")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "vocab.txt").write_text("a b c")
+    os.symlink("sub/vocab.txt", folder / "vocab.txt")
+    os.symlink("sub", folder / "same")
+    push(PushOptions(folder=str(folder), repo_id="me/x"))
+    files = hub.commits[0]["files"]
+    assert files["vocab.txt"] == files["same/vocab.txt"] == files["sub/vocab.txt"] == b"a b c"
+
+
+@pytest.mark.parametrize("link, target, problem", [
+    ("loop", ".", "a folder that contains it"),
+    ("gone.json", "missing.json", "which does not exist"),
+    ("weights.safetensors", "checkpoints/optimizer.pt", "the pickle weight file"),
+])
+def test_links_that_loop_dangle_or_hide_a_pickle_are_refused(hub, tmp_path, link, target, problem):
+    folder = small_model_folder(tmp_path / "model")
+    (folder / "checkpoints").mkdir()
+    (folder / "checkpoints" / "optimizer.pt").write_bytes(b"pickle")
+    os.symlink(target, folder / link)
+    with pytest.raises(ValueError, match=f"{link} is a symbolic link to (.* )?{problem}"):
+        push(PushOptions(folder=str(folder), repo_id="me/x"))
+    assert hub.repos == {} and hub.commits == []
+
+
+@pytest.mark.parametrize("repo_id", ["me/bad name", "me/tiny/extra", "me/x..y", "me/-x", "me/x.git", "ü/x"])
+def test_a_bad_repo_id_is_refused_before_anything_is_staged(hub, tmp_path, monkeypatch, repo_id):
+    folder = small_model_folder(tmp_path / "model")
+    monkeypatch.setattr(hub_module, "_stage", lambda *args: pytest.fail("the folder was staged"))
+    with pytest.raises(ValueError, match=r"is not a Hub repo id: write OWNER/NAME or NAME.*nothing was pushed"):
+        push(PushOptions(folder=str(folder), repo_id=repo_id))
+    assert hub.repos == {} and hub.commits == []
+
+
+def closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_an_unreachable_hub_gives_one_clear_line_without_the_token(tmp_path, monkeypatch, capsys):
+    port = closed_port()
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    folder = small_model_folder(tmp_path / "model")
+    before = tree(folder)
+    with pytest.raises(ValueError) as failed:
+        push(PushOptions(folder=str(folder), repo_id="me/x"))
+    message = str(failed.value)
+    assert f"could not reach the Hub at 127.0.0.1:{port}" in message
+    assert "Nothing was pushed; the local folder is unchanged." in message
+    assert TOKEN not in message and "\n" not in message and tree(folder) == before
+
+    assert main(["push", str(folder), "--repo_id", "me/x"]) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith(f"delta-attention push: error: could not reach the Hub at 127.0.0.1:{port}")
+    assert err.count("\n") == 1 and TOKEN not in out + err
+
+
+def _http_client():
+    for name in ("httpx", "httpx2"):  # whichever huggingface_hub uses
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            pass
+    pytest.skip("no httpx")
+
+
+@pytest.mark.parametrize("error", [
+    lambda: requests.exceptions.ConnectionError(f"refused; Authorization: Bearer {TOKEN}"),
+    lambda: requests.exceptions.Timeout("read timed out"),
+    lambda: _http_client().ReadTimeout(f"timed out with {TOKEN}"),
+    lambda: _http_client().ConnectError("[Errno -2] Name or service not known"),
+    lambda: socket.gaierror(-2, "Name or service not known"),
+    lambda: OfflineModeIsEnabled("HF_HUB_OFFLINE is set"),
+    lambda: TimeoutError(),
+])
+def test_network_errors_become_one_line_that_never_shows_the_token(hub, tmp_path, monkeypatch, error):
+    def unreachable(*args, **kwargs):
+        raise error()
+
+    monkeypatch.setattr(HfApi, "create_repo", unreachable)
+    folder = small_model_folder(tmp_path / "model")
+    with pytest.raises(ValueError, match=r"could not reach the Hub at 127\.0\.0\.1:\d+ \(\w+") as failed:
+        push(PushOptions(folder=str(folder), repo_id="me/x"))
+    assert TOKEN not in str(failed.value) and "\n" not in str(failed.value)
+    assert "Nothing was pushed; the local folder is unchanged." in str(failed.value)
