@@ -4,6 +4,8 @@ Each conversation (a list of `{"role", "content"}` messages) becomes one row of 
 or right-padded. Completion-only labels are found by rendering the conversation up to each assistant turn
 with `add_generation_prompt=True` and again with the turn: the tokens in between are the completion. This
 works with any chat template whose renderings extend each other (it is checked, with a clear error).
+A row that is not a list of `{"role", "content"}` messages, or that the template rejects, gives a `ValueError`
+naming the row (counted from 0) and what is wrong with it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,27 @@ def _render(tokenizer, messages) -> list[int]:
 def _prompt(tokenizer, messages) -> list[int]:
     ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def check_conversation(messages, row: int | None = None) -> None:
+    """Raise a `ValueError` naming the row and message when `messages` is not a list of role/content dicts."""
+    where = f"chat row {row} (counted from 0)" if row is not None else "chat conversation"
+    need = "each message needs a string 'role' (system, user or assistant) and a 'content'"
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"{where}: messages must be a list of {{'role', 'content'}} dicts, got "
+                         f"{type(messages).__name__}; pass --messages_column with the column of conversations")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"{where}, message {index}: expected a {{'role', 'content'}} dict, got "
+                             f"{type(message).__name__}; {need}")
+        role = message.get("role")
+        if role is None:
+            raise ValueError(f"{where}, message {index}: no 'role'; {need}")
+        if not isinstance(role, str):
+            raise ValueError(f"{where}, message {index}: 'role' must be a string, got {type(role).__name__} "
+                             f"{role!r}; {need}")
+        if message.get("content") is None:
+            raise ValueError(f"{where}, message {index} ({role}): no 'content'; {need}")
 
 
 def conversation_tokens(tokenizer, messages: list[dict], completion_only: bool = True) -> tuple[list[int], list[int]]:
@@ -46,10 +69,20 @@ def conversation_tokens(tokenizer, messages: list[dict], completion_only: bool =
 
 def chat_rows(tokenizer, conversations, seq_len: int, completion_only: bool = True) -> dict[str, torch.Tensor]:
     """`input_ids`, `labels`, `attention_mask` tensors `[N, seq_len]` (right-padded) for the conversations."""
+    from jinja2 import TemplateError
+
+    if seq_len < 2:
+        raise ValueError(f"--seq_len must be at least 2, got {seq_len}")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = {"input_ids": [], "labels": [], "attention_mask": []}
-    for messages in conversations:
-        ids, labels = conversation_tokens(tokenizer, messages, completion_only)
+    for row, messages in enumerate(conversations):
+        check_conversation(messages, row)
+        try:
+            ids, labels = conversation_tokens(tokenizer, messages, completion_only)
+        except TemplateError as error:
+            message = str(error).strip().splitlines()
+            raise ValueError(f"chat row {row} (counted from 0): the tokenizer's chat template rejected it "
+                             f"({message[0] if message else type(error).__name__}); fix that conversation") from error
         ids, labels = ids[:seq_len], labels[:seq_len]
         if all(label == IGNORE_INDEX for label in labels[1:]):
             continue  # nothing to learn from in the kept part

@@ -6,16 +6,24 @@ A data source is one of
 * a local file or folder of `.txt`, `.jsonl`/`.json` or `.parquet` files;
 * a Hub dataset name, optionally `name:config` (loaded with `datasets.load_dataset`).
 Texts are tokenised, joined with the EOS token between documents and cut into blocks of `seq_len` tokens.
+
+Bad input fails with one `ValueError` or `FileNotFoundError` whose message names the file (and line) and the
+fix. Local files are checked before `datasets` reads them (`.txt` lines are UTF-8, each `.jsonl` line is one
+JSON object, a `.json` file is one document, a `.parquet` footer reads), and an unreachable Hub dataset says
+that the machine may be offline.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
 from pathlib import Path
 
 import datasets
 
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+LOCAL_HINT = "pass --dataset a local .txt/.jsonl/.parquet file or folder, or builtin:train"
 
 
 @dataclasses.dataclass
@@ -33,14 +41,173 @@ class DataOptions:
     shuffle_buffer: int = dataclasses.field(default=1000, metadata={"help": "blocks in the shuffle buffer when streaming"})
     seed: int = dataclasses.field(default=0, metadata={"help": "seed of the block order"})
 
+    def validate(self) -> DataOptions:
+        """Raise a `ValueError` naming the flag when an option cannot work (before any data is read)."""
+        if not str(self.dataset).strip():
+            raise ValueError("--dataset is empty; give builtin:train, a local .txt/.jsonl/.parquet file or folder, "
+                             "or a Hub dataset name")
+        if self.seq_len < 2:
+            raise ValueError(f"--seq_len must be at least 2 (each block predicts its tokens from the ones before), "
+                             f"got {self.seq_len}")
+        if self.shuffle_buffer < 1:
+            raise ValueError(f"--shuffle_buffer must be at least 1 (1 keeps the file order), got {self.shuffle_buffer}")
+        return self
+
+
+def warn_if_longer_than_model(seq_len: int, config) -> bool:
+    """Print one warning line when `seq_len` exceeds the model config's `max_position_embeddings`.
+
+    Returns whether it warned. A config without the field (or a dict without the key) never warns.
+    """
+    if isinstance(config, dict):
+        limit = config.get("max_position_embeddings")
+    else:
+        limit = getattr(config, "max_position_embeddings", None)
+        if limit is None and hasattr(config, "get_text_config"):
+            limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if not isinstance(limit, int) or seq_len <= limit:
+        return False
+    print(f"warning: --seq_len {seq_len} is longer than the model's max_position_embeddings ({limit}); positions "
+          f"past {limit} were never trained and quality may suffer (use --seq_len {limit} or less)", file=sys.stderr)
+    return True
+
 
 def _looks_like_hub_name(source: str) -> bool:
     name = source.partition(":")[0]
     return name.count("/") <= 1 and not name.startswith((".", "/", "~")) and Path(name).suffix not in LOCAL_BUILDERS
 
 
-def load_texts(source: str, split: str = "train", text_column: str = "text", streaming: bool = False):
-    """A `datasets.Dataset` (or `IterableDataset` when streaming) with one column `text`."""
+def _first_line(error: BaseException) -> str:
+    """`Type: first line of the message` of the root cause of `error` (following `raise ... from`)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def _bad_json(path: Path, number: int, error: ValueError) -> ValueError:
+    detail = f"column {error.colno}: {error.msg}" if isinstance(error, json.JSONDecodeError) else str(error)
+    return ValueError(f"{path}: line {number} is not valid JSON ({detail}); fix or delete that line")
+
+
+def _check_jsonl(path: Path) -> bool:
+    """Raise a `ValueError` naming the first line (from 1) of `path` that is not one JSON object.
+
+    Returns whether the file holds at least one object.
+    """
+    found = False
+    with path.open("rb") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line.rstrip())
+            except ValueError as error:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
+                raise _bad_json(path, number, error) from None
+            if not isinstance(value, dict):
+                raise ValueError(f"{path}: line {number} is JSON but not an object (got {type(value).__name__}); "
+                                 'each line of a .jsonl file must be one object such as {"text": "..."}')
+            found = True
+    return found
+
+
+def _check_text(path: Path) -> bool:
+    """Raise a `ValueError` naming the first line (from 1) of `path` that is not UTF-8. Returns True."""
+    with path.open("rb") as lines:
+        for number, line in enumerate(lines, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{path}: line {number} is not UTF-8 text ({error.reason} at byte {error.start}); "
+                                 f"save the file as UTF-8") from None
+    return True
+
+
+def _check_json(path: Path) -> bool:
+    """Raise a `ValueError` naming `path` unless it is one JSON document or JSON Lines. Returns whether it has data."""
+    data = path.read_bytes()
+    if not data.strip():
+        return False
+    try:
+        value = json.loads(data)
+    except ValueError as error:
+        whole = error
+    else:
+        if not isinstance(value, (list, dict)):
+            raise ValueError(f"{path}: the JSON document must be a list of objects such as "
+                             f'[{{"text": "..."}}] (or use JSON Lines, .jsonl), not {type(value).__name__}')
+        return bool(value)
+    first = next(line for line in data.splitlines() if line.strip())
+    try:
+        json.loads(first)
+    except ValueError:
+        detail = f"line {whole.lineno}, column {whole.colno}: {whole.msg}" if isinstance(
+            whole, json.JSONDecodeError) else str(whole)
+        raise ValueError(f"{path}: not valid JSON ({detail}); fix the file or save it as JSON Lines (.jsonl)") from None
+    return _check_jsonl(path)  # JSON Lines saved as .json: name the first bad line
+
+
+def _check_parquet(path: Path) -> bool:
+    """Raise a `ValueError` naming `path` when its Parquet footer cannot be read. Returns whether it has rows."""
+    import pyarrow
+    import pyarrow.parquet
+
+    try:
+        return pyarrow.parquet.read_metadata(path).num_rows > 0
+    except (pyarrow.ArrowException, OSError, ValueError) as error:
+        raise ValueError(f"{path}: not a readable Parquet file ({_first_line(error)}); re-export it, "
+                         f"or use a .jsonl or .txt file") from None
+
+
+def _check_local_files(source: str, builder: str, files: list[Path]) -> None:
+    """Check the files before `datasets` reads them; a clear error names the file (and line)."""
+    checks = {".txt": _check_text, ".jsonl": _check_jsonl, ".json": _check_json, ".parquet": _check_parquet}
+    has_data = [checks[p.suffix](p) for p in files]
+    if not any(has_data):
+        suffixes = "/".join(sorted({p.suffix for p in files}))
+        raise ValueError(f"{source}: no rows (every {suffixes} file is empty); add data, or {LOCAL_HINT}")
+
+
+def _load_local(source: str, path: Path, streaming: bool):
+    files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_BUILDERS) if path.is_dir() else [path]
+    kinds = {LOCAL_BUILDERS.get(p.suffix) for p in files}
+    if not files or None in kinds or len(kinds) != 1:
+        raise ValueError(
+            f"{source}: expected .txt, .jsonl/.json or .parquet files of one kind, found "
+            f"{sorted({p.suffix for p in files}) or 'none'}"
+        )
+    builder = kinds.pop()
+    _check_local_files(source, builder, files)
+    options = {"sample_by": "document"} if builder == "text" else {}
+    try:
+        return datasets.load_dataset(
+            builder, data_files=[str(p) for p in files], split="train", streaming=streaming, **options
+        )
+    except (datasets.exceptions.DatasetGenerationError, ValueError, OSError) as error:
+        # what the checks above cannot see, e.g. a Parquet file whose footer reads but whose pages do not
+        raise ValueError(f"{source}: could not be read as {builder} data ({_first_line(error)})") from error
+
+
+def _load_hub(source: str, split: str, streaming: bool):
+    name, _, config = source.partition(":")
+    try:
+        return datasets.load_dataset(name, config or None, split=split, streaming=streaming)
+    except OSError as error:  # ConnectionError, DatasetNotFoundError, HTTP errors: all OSErrors
+        offline = " (HF_HUB_OFFLINE is set)" if datasets.config.HF_HUB_OFFLINE else ""
+        raise FileNotFoundError(
+            f"{source}: not a local file or folder, and the Hub dataset {name!r} could not be reached "
+            f"({_first_line(error)}); this machine may be offline{offline}, or the name is wrong or private. "
+            f"Fix: {LOCAL_HINT}"
+        ) from error
+
+
+def load_texts(source: str, split: str = "train", text_column: str = "text", streaming: bool = False,
+               column_flag: str = "--text_column"):
+    """A `datasets.Dataset` (or `IterableDataset` when streaming) with one column `text` (from `text_column`).
+
+    `column_flag` is the command-line flag that names `text_column`, for the error when the column is missing
+    (`--messages_column` when loading chat conversations).
+    """
     if source.startswith("builtin:"):
         from .assets import heldout_texts, train_texts
 
@@ -53,28 +220,18 @@ def load_texts(source: str, split: str = "train", text_column: str = "text", str
 
     path = Path(source).expanduser()
     if path.exists():
-        files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_BUILDERS) if path.is_dir() else [path]
-        kinds = {LOCAL_BUILDERS.get(p.suffix) for p in files}
-        if not files or None in kinds or len(kinds) != 1:
-            raise ValueError(
-                f"{source}: expected .txt, .jsonl/.json or .parquet files of one kind, found "
-                f"{sorted({p.suffix for p in files}) or 'none'}"
-            )
-        builder = kinds.pop()
-        options = {"sample_by": "document"} if builder == "text" else {}
-        dataset = datasets.load_dataset(
-            builder, data_files=[str(p) for p in files], split="train", streaming=streaming, **options
-        )
+        dataset = _load_local(source, path, streaming)
     elif _looks_like_hub_name(source):
-        name, _, config = source.partition(":")
-        dataset = datasets.load_dataset(name, config or None, split=split, streaming=streaming)
+        dataset = _load_hub(source, split, streaming)
     else:
         raise FileNotFoundError(f"{source}: no such file or folder (and not a Hub dataset name of the form owner/name)")
 
-    if text_column not in (dataset.column_names or []):
-        raise ValueError(
-            f"{source}: no column {text_column!r} (columns: {dataset.column_names}); pass --text_column"
-        )
+    columns = dataset.column_names
+    if columns is None:  # a stream whose features are only known once read (e.g. streamed .txt files)
+        columns = list(next(iter(dataset), {}))
+    if text_column not in columns:
+        raise ValueError(f"{source}: no column {text_column!r} (columns: {columns}); pass {column_flag} "
+                         f"with the column to use")
     if text_column != "text":
         dataset = dataset.rename_column(text_column, "text")
     return dataset.select_columns(["text"])
@@ -90,7 +247,11 @@ def pack_blocks(texts, tokenizer, seq_len: int):
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
-    def tokenize_and_pack(batch):
+    def tokenize_and_pack(batch, indices):
+        for row, text in zip(indices, batch["text"]):
+            if not isinstance(text, str):
+                raise ValueError(f"row {row} (counted from 0) holds a {type(text).__name__}, not text "
+                                 f"({str(text)[:40]!r}); pass --text_column with a column of strings")
         stream = []
         for ids in tokenizer(batch["text"], add_special_tokens=False)["input_ids"]:
             stream.extend(ids + eos)
@@ -98,7 +259,7 @@ def pack_blocks(texts, tokenizer, seq_len: int):
         return {"input_ids": [stream[i : i + seq_len] for i in range(0, usable, seq_len)]}
 
     # blocks never span two map batches; the remainder of each batch of 1,000 documents is dropped
-    kwargs = {"batched": True, "batch_size": 1000, "remove_columns": ["text"]}
+    kwargs = {"batched": True, "batch_size": 1000, "remove_columns": ["text"], "with_indices": True}
     if isinstance(texts, datasets.Dataset):
         kwargs["desc"] = "tokenizing"
     return texts.map(tokenize_and_pack, **kwargs)
@@ -109,6 +270,7 @@ def training_blocks(options: DataOptions, tokenizer):
     when streaming, an `IterableDataset` shuffled through a buffer with `options.seed`."""
     import torch
 
+    options.validate()
     if options.dataset == "builtin:heldout":
         raise ValueError("builtin:heldout is the evaluation split; train on builtin:train or your own data")
     texts = load_texts(options.dataset, options.dataset_split, options.text_column, options.streaming)
