@@ -26,7 +26,10 @@ from accelerate.state import AcceleratorState
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from .checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoints import find_checkpoint, has_checkpoints, latest_checkpoint, load_checkpoint, parameter_mismatch, \
+    save_checkpoint
+
+MIXED_PRECISIONS = ("no", "bf16", "fp16")
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -51,9 +54,42 @@ class TrainingOptions:
     resume: bool = dataclasses.field(default=False, metadata={"help": "continue from the latest checkpoints"})
     log_every_steps: int = dataclasses.field(default=1, metadata={"help": "metrics line every N steps"})
 
+    def validate(self) -> None:
+        """Raise ValueError naming the first option out of range and what it accepts."""
+        whole = lambda value, least: isinstance(value, int) and value >= least  # noqa: E731
+        number = lambda value: isinstance(value, (int, float)) and value >= 0  # noqa: E731 (NaN fails too)
+        checks = [
+            (whole(self.batch_size, 1), f"--batch_size must be a whole number >= 1, got {self.batch_size!r}"),
+            (whole(self.gradient_accumulation_steps, 1),
+             f"--gradient_accumulation_steps must be a whole number >= 1, got {self.gradient_accumulation_steps!r}"),
+            (isinstance(self.warmup_ratio, (int, float)) and 0 <= self.warmup_ratio < 1,
+             f"--warmup_ratio must be in [0, 1) (a share of the steps), got {self.warmup_ratio!r}"),
+            (number(self.weight_decay), f"--weight_decay must be >= 0, got {self.weight_decay!r}"),
+            (number(self.max_grad_norm), f"--max_grad_norm must be >= 0 (0 = no clipping), got {self.max_grad_norm!r}"),
+            (whole(self.checkpoint_every_tokens, 0),
+             f"--checkpoint_every_tokens must be a whole number >= 0 (0 = only at the end), "
+             f"got {self.checkpoint_every_tokens!r}"),
+            (whole(self.eval_every_tokens, 0),
+             f"--eval_every_tokens must be a whole number >= 0 (0 = only at the end), got {self.eval_every_tokens!r}"),
+            (whole(self.log_every_steps, 1),
+             f"--log_every_steps must be a whole number >= 1, got {self.log_every_steps!r}"),
+            (self.mixed_precision in MIXED_PRECISIONS,
+             f"--mixed_precision must be one of {', '.join(MIXED_PRECISIONS)}, got {self.mixed_precision!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        if self.batch_size % self.gradient_accumulation_steps:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be divisible by gradient_accumulation_steps "
+                f"({self.gradient_accumulation_steps}); give a batch_size that is a multiple of it"
+            )
+
 
 @dataclasses.dataclass
 class TrainingResult:
+    """What a run did; `seconds` is the training time of the whole run, earlier sessions of a resumed run included."""
+
     steps: int
     tokens: int
     seconds: float
@@ -102,6 +138,79 @@ def _micro_batches(blocks, batch: int, seed: int, start_block: int) -> Iterator:
             yield torch.stack([next(stream) for _ in range(batch)])
 
 
+def _resume_point(checkpoint_dir: Path, resume: bool, description: str, say: Callable[[str], None]) -> Path | None:
+    """The checkpoint to resume from, or None to start fresh; refuses to overwrite or guess."""
+    if not resume:
+        if has_checkpoints(checkpoint_dir):
+            raise FileExistsError(
+                f"{checkpoint_dir} holds checkpoints of an earlier run; resume it (--resume) or use a new output_dir"
+            )
+        return None
+    path, skipped = find_checkpoint(checkpoint_dir)
+    if path is None and skipped:
+        raise ValueError(
+            f"cannot resume {description}: no usable checkpoint in {checkpoint_dir} ({'; '.join(skipped)}); "
+            f"delete {checkpoint_dir} to start this run over, or use a new output_dir"
+        )
+    if path is None:
+        say(f"--resume: no checkpoint in {checkpoint_dir}; starting {description} from the beginning")
+    elif skipped:
+        say(f"--resume: {'; '.join(skipped)}; resuming from {path.name} instead")
+    return path
+
+
+_RUN_LABELS = {
+    "batch_size": "batch_size (blocks per step)",
+    "seq_len": "the block length (seq_len)",
+    "tokens_per_step": "the tokens per step",
+    "total_steps": "the token budget",
+    "seed": "the data-order seed",
+}
+
+
+def _check_same_run(path: Path, saved: dict, run: dict, shapes: dict[str, list]) -> None:
+    """Refuse to resume from `path` with options that change what a step is, or with other parameters."""
+    old = saved.get("run")
+    if not isinstance(old, dict):  # written before runs were recorded: only tokens per step can be told
+        old = {"tokens_per_step": saved["tokens"] // saved["step"]} if saved.get("step") and "tokens" in saved else {}
+    for key, label in _RUN_LABELS.items():
+        if key in old and old[key] != run[key]:
+            before, now = old[key], run[key]
+            if key == "total_steps":
+                before = f"{old.get('max_tokens')} tokens ({before} steps)"
+                now = f"{run['max_tokens']} tokens ({now} steps)"
+            raise ValueError(
+                f"cannot resume from {path}: {label} was {before} in the interrupted run and is {now} now; "
+                "resume with the same options, or start a new output_dir"
+            )
+    if isinstance(saved.get("trainable"), dict):
+        mismatch = parameter_mismatch(saved["trainable"], shapes)
+        if mismatch:
+            raise ValueError(
+                f"cannot resume from {path}: the parameters being trained differ: {mismatch}; resume with the "
+                "same options, or start a new output_dir"
+            )
+
+
+def _metrics_up_to(metrics_path: Path, step: int) -> list[str]:
+    """The lines of `metrics_path` up to `step`; a line cut short by a killed process is dropped."""
+    kept = []
+    for line in metrics_path.read_text().splitlines() if metrics_path.exists() else []:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line)
+    return kept
+
+
+def _write_metrics(metrics_path: Path, lines: list[str]) -> None:
+    partial = metrics_path.with_name(f".{metrics_path.name}.partial")
+    partial.write_text("".join(line + "\n" for line in lines))
+    os.replace(partial, metrics_path)
+
+
 def run_training(
     model: torch.nn.Module,
     compute_loss: Callable[[torch.nn.Module, torch.Tensor | dict], tuple[torch.Tensor, dict]],
@@ -122,8 +231,12 @@ def run_training(
     `compute_loss(model, batch)` returns `(loss, metrics)`, `batch` being a slice of `blocks`. `parameter_groups` are AdamW groups, each with
     its peak learning rate (`{"params": [...], "lr": ...}`); only their parameters train and are
     checkpointed. Checkpoints go to `output_dir/checkpoints`, metrics to `output_dir/metrics.jsonl`. With
-    `options.resume`, training continues from the latest checkpoint there if one exists.
+    `options.resume`, training continues from the newest usable checkpoint there (it must come from a run with
+    the same batch, block length, token budget, seed and parameters); without it, existing checkpoints are refused.
     """
+    options.validate()
+    if not (isinstance(max_tokens, int) and max_tokens > 0):
+        raise ValueError(f"the token budget of {description} must be a positive number of tokens, got {max_tokens!r}")
     output_dir = Path(output_dir)
     state = AcceleratorState._shared_state
     if state and state.get("_mixed_precision") != options.mixed_precision and "LOCAL_RANK" not in os.environ:
@@ -146,6 +259,8 @@ def run_training(
     seq_len = int((first["input_ids"] if isinstance(first, dict) else first).shape[1])
     tokens_per_step = options.batch_size * seq_len
     total_steps = max(1, max_tokens // tokens_per_step)
+    run = {"batch_size": options.batch_size, "seq_len": seq_len, "tokens_per_step": tokens_per_step,
+           "max_tokens": max_tokens, "total_steps": total_steps, "seed": seed}
 
     names = {id(p): n for n, p in model.named_parameters()}
     named_trainable = {names[id(p)]: p for group in parameter_groups for p in group["params"]}
@@ -153,45 +268,55 @@ def run_training(
         raise ValueError("nothing to train: every parameter group is empty")
     if any("lr" not in group for group in parameter_groups):
         raise ValueError("every parameter group needs its learning rate ('lr')")
-    optimizer = torch.optim.AdamW(parameter_groups, weight_decay=options.weight_decay)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, int(options.warmup_ratio * total_steps), total_steps)
-    if options.gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    shapes = {name: list(p.shape) for name, p in named_trainable.items()}
 
     checkpoint_dir = output_dir / "checkpoints"
     metrics_path = output_dir / "metrics.jsonl"
-    step, history, evaluations = 0, [], []
-    path = latest_checkpoint(checkpoint_dir) if options.resume else None
+    path = _resume_point(checkpoint_dir, options.resume, description, accelerator.print)
+    if path is not None:  # everything is checked before the first step and before metrics.jsonl is touched
+        _check_same_run(path, json.loads((path / "state.json").read_text()), run, shapes)
+
+    optimizer = torch.optim.AdamW(parameter_groups, weight_decay=options.weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, int(options.warmup_ratio * total_steps), total_steps)
+    step, history, evaluations, loss_value, earlier_seconds = 0, [], [], float("nan"), 0.0
     if path is not None:
         state = load_checkpoint(path, named_trainable, optimizer)
         scheduler.load_state_dict(state["scheduler"])
         step, evaluations = state["step"], state.get("evaluations", [])
+        loss_value, earlier_seconds = state.get("loss", float("nan")), state.get("seconds", 0.0)
         accelerator.print(f"resuming {description} from {path.name} ({state['tokens']:,} tokens seen)")
+    kept = _metrics_up_to(metrics_path, step) if path is not None else []
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
-        kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= step] \
-            if path is not None and metrics_path.exists() else []
-        metrics_path.write_text("".join(line + "\n" for line in kept))
+        _write_metrics(metrics_path, kept)
+    if step >= total_steps:
+        if not math.isfinite(loss_value) and kept:  # a checkpoint from before "loss" was saved in it
+            loss_value = json.loads(kept[-1]).get("loss", loss_value)
+        accelerator.print(f"{description} is already complete (step {step} of {total_steps}); nothing left to train")
+    if options.gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
     # every process walks the same global order and takes its own slice of each micro-batch
     batches = _micro_batches(blocks, micro, seed, step * options.batch_size)
     rank_slice = slice(accelerator.process_index * micro // world, (accelerator.process_index + 1) * micro // world)
+    start, started_at_step = time.perf_counter(), step
 
-    def save(at_step: int) -> None:
+    def save(at_step: int, loss: float) -> None:
         if accelerator.is_main_process:
             unwrapped = {n: p for n, p in named_trainable.items()}
             save_checkpoint(checkpoint_dir, at_step, unwrapped, optimizer.optimizer if hasattr(optimizer, "optimizer")
                             else optimizer, {"tokens": at_step * tokens_per_step, "scheduler": scheduler.state_dict(),
-                                             "evaluations": evaluations})
+                                             "evaluations": evaluations, "loss": loss, "run": run,
+                                             "trainable": shapes,
+                                             "seconds": earlier_seconds + time.perf_counter() - start})
         accelerator.wait_for_everyone()
 
     every = lambda tokens: max(1, tokens // tokens_per_step) if tokens else 0  # noqa: E731
     checkpoint_steps, eval_steps = every(options.checkpoint_every_tokens), every(options.eval_every_tokens)
-    bar = tqdm(total=total_steps * tokens_per_step, initial=step * tokens_per_step, unit="tok", unit_scale=True,
-               desc=description, disable=not accelerator.is_main_process, dynamic_ncols=True)
-    start, loss_value, started_at_step = time.perf_counter(), float("nan"), step
+    bar = tqdm(total=total_steps * tokens_per_step, initial=min(step, total_steps) * tokens_per_step, unit="tok",
+               unit_scale=True, desc=description, disable=not accelerator.is_main_process, dynamic_ncols=True)
     while step < total_steps:
         losses = []
         for _ in range(options.gradient_accumulation_steps):
@@ -235,11 +360,11 @@ def run_training(
                 handle.write(json.dumps(record) + "\n")
         history.append(record)
         if step == total_steps or (checkpoint_steps and step % checkpoint_steps == 0):
-            save(step)
+            save(step, loss_value)
         if step_callback is not None:
             step_callback(step)
     bar.close()
     if options.gradient_checkpointing:
         accelerator.unwrap_model(model).activation_checkpointing_disable()
-    return TrainingResult(step, step * tokens_per_step, time.perf_counter() - start, loss_value, metrics_path,
-                          evaluations)
+    return TrainingResult(step, step * tokens_per_step, earlier_seconds + time.perf_counter() - start, loss_value,
+                          metrics_path, evaluations)
