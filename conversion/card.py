@@ -38,7 +38,7 @@ def _round_list(values, digits=3) -> str:
     return ", ".join(f"{i}: {v:.{digits}g}" for i, v in values)
 
 
-def conversion_card(result, model_path: str = ".") -> ModelCard:
+def conversion_card(result, model_path: str = ".", has_tokenizer: bool = True) -> ModelCard:
     """The card of a converted model (a `ConversionResult`)."""
     import transformers
 
@@ -103,6 +103,7 @@ def conversion_card(result, model_path: str = ".") -> ModelCard:
         memory_dtype=memory.dtype_name,
         memory_rows=memory.rows(),
         model_path=model_path,
+        has_tokenizer=has_tokenizer,
     )
 
 

@@ -27,6 +27,7 @@ from .attention_transfer import collect_teacher_activations
 from .calibration import LayerCalibration, calibrate_layer
 from .layer_plan import LayerPlan, choose_auto, make_plan, parse_keep
 from .memory import MemoryReport, count_parameters, memory_report
+from .output_folder import check_output_folder
 from .saving import atomic_save
 from .sources import Source, SourceRef, check_layout, check_supported, load_config, load_source, resolve, source_layer_types
 from .target_config import DeltaOptions, delta_config_from_source
@@ -309,26 +310,21 @@ def convert_model(source, settings: ConversionSettings | None = None, tokenizer=
 # ----------------------------------------------------------------------------------------------- saving
 
 
-def check_output(out, overwrite: bool, source_ref: SourceRef | None = None) -> Path:
-    """Refuse an existing output folder without `overwrite`, a file in its place, or the source folder itself."""
-    out = Path(out).expanduser()
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"output path {out} exists and is not a folder")
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"output folder {out} already exists; pass --overwrite to replace it")
-    if source_ref is not None and source_ref.kind in ("folder", "gguf"):
-        source_dir = Path(source_ref.path).resolve()
-        if out.resolve() == source_dir or (source_ref.kind == "folder" and source_dir in out.resolve().parents):
-            raise ValueError(f"the output folder {out} would overwrite the source {source_ref.spec}")
-    return out
+def check_output(out, overwrite: bool, source_ref: SourceRef | None = None, force: bool = False) -> Path:
+    """Refuse an output folder `convert` may not write (see `output_folder.check_output_folder`): an existing one
+    without `overwrite`, one this tool did not write without `force`, a file, the current directory, a folder
+    holding the source, or a place that is not writable."""
+    inputs = (source_ref.path if source_ref.kind == "folder" else str(Path(source_ref.path) / source_ref.gguf_file),) \
+        if source_ref is not None and source_ref.kind in ("folder", "gguf") else ()
+    return check_output_folder(out, overwrite=overwrite, force=force, inputs=inputs, flag="--out")
 
 
 def save_converted(result: ConversionResult, out, tokenizer=None, overwrite: bool = False,
-                   progress: bool = True) -> Path:
+                   progress: bool = True, force: bool = False) -> Path:
     """Write model, custom code, tokenizer, generation config, card and `conversion.json` to `out`, atomically."""
     from .card import conversion_card
 
-    out = check_output(out, overwrite, result.source_ref)
+    out = check_output(out, overwrite, result.source_ref, force)
     steps = ["weights and model code", "tokenizer", "model card", "conversion record"]
 
     def write(staging: Path) -> None:
@@ -339,7 +335,7 @@ def save_converted(result: ConversionResult, out, tokenizer=None, overwrite: boo
             if tokenizer is not None:
                 tokenizer.save_pretrained(staging)
             bar.update()
-            conversion_card(result, model_path=out.name).save(staging / "README.md")
+            conversion_card(result, model_path=out.name, has_tokenizer=tokenizer is not None).save(staging / "README.md")
             bar.update()
             (staging / "conversion.json").write_text(json.dumps(result.record(), indent=2) + "\n")
             bar.update()
@@ -354,11 +350,14 @@ def save_converted(result: ConversionResult, out, tokenizer=None, overwrite: boo
 
 
 def convert(source, out=None, settings: ConversionSettings | None = None, overwrite: bool = False,
-            dry_run: bool = False, calibration_texts=None, progress: bool = True, log=print) -> ConversionResult:
+            dry_run: bool = False, calibration_texts=None, progress: bool = True, log=print,
+            force_overwrite: bool = False, tokenizer: bool = True) -> ConversionResult:
     """Convert SOURCE (Hub id, folder, `.gguf` file, or a loaded `Source`) and save it to `out`.
 
     With `dry_run` the plan (layer map, parameter counts, state vs KV bytes) is printed and returned and
-    nothing is written; `auto:` plans still load the model to rank its layers.
+    nothing is written; `auto:` plans still load the model to rank its layers. `overwrite` replaces an `out`
+    that this tool wrote (`force_overwrite`: any folder). `tokenizer=False` converts without the source's
+    tokenizer (calibration on random token ids, none saved); otherwise a tokenizer that fails to load is an error.
     """
     settings = settings or ConversionSettings()
     settings.validate()
@@ -366,7 +365,7 @@ def convert(source, out=None, settings: ConversionSettings | None = None, overwr
         raise ValueError("an output folder is needed (--out DIR), or --dry-run")
     ref = source.ref if isinstance(source, Source) else resolve(source)
     if out is not None:
-        check_output(out, overwrite, ref)
+        check_output(out, overwrite, ref, force_overwrite)
     config = source.config if isinstance(source, Source) else load_config(ref)
     check_supported(config)
     spec = parse_keep(settings.keep_attention, config.num_hidden_layers)
@@ -385,7 +384,9 @@ def convert(source, out=None, settings: ConversionSettings | None = None, overwr
         log("dry run: nothing written")
         return result
 
-    loaded = source if isinstance(source, Source) else load_source(ref)
+    loaded = source if isinstance(source, Source) else load_source(ref, with_tokenizer=tokenizer)
+    if not tokenizer:
+        loaded.tokenizer = None
     plan = None
     if dry_run:
         windows = calibration_windows(loaded.tokenizer, settings, config.vocab_size, calibration_texts,
@@ -402,7 +403,8 @@ def convert(source, out=None, settings: ConversionSettings | None = None, overwr
 
     result = convert_model(loaded, settings, calibration_texts=calibration_texts, progress=progress)
     log(result.describe())
-    save_converted(result, out, tokenizer=loaded.tokenizer, overwrite=overwrite, progress=progress)
+    save_converted(result, out, tokenizer=loaded.tokenizer, overwrite=overwrite, progress=progress,
+                   force=force_overwrite)
     log(f"saved to {result.out}")
     return result
 

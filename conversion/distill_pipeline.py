@@ -30,9 +30,11 @@ from .distill import (
     stage1_parameters,
 )
 from .convert import SOURCE_ATTRIBUTE
+from .loading import check_model_spec, load_model
 from .metrics import plot_metrics
+from .output_folder import check_output_folder, open_run_folder
 from .saving import atomic_save, save_model_and_tokenizer
-from .text_data import DataOptions, load_texts, training_blocks
+from .text_data import DataOptions, load_texts, training_blocks, warn_if_longer_than_model
 from .text_windows import perplexity, token_windows
 from .training import TrainingOptions, run_training
 
@@ -49,7 +51,12 @@ class DistillOptions:
         default=None, metadata={"help": "the source model (Hub id, folder or .gguf); default: the one convert recorded"}
     )
     output_dir: str = dataclasses.field(default="distilled", metadata={"help": "run folder"})
-    overwrite: bool = dataclasses.field(default=False, metadata={"help": "replace an existing output_dir"})
+    overwrite: bool = dataclasses.field(
+        default=False, metadata={"help": "replace an existing output_dir (a run of this tool) once the new run is done"}
+    )
+    force_overwrite: bool = dataclasses.field(
+        default=False, metadata={"help": "with --overwrite: replace output_dir even if this tool did not write it"}
+    )
     stages: str = dataclasses.field(default="1,2", metadata={"help": "stages to run: 1, 2 or 1,2"})
     stage1_tokens: int = dataclasses.field(default=200_000, metadata={"help": "token budget of attention transfer"})
     stage1_lr: float = dataclasses.field(default=3e-3, metadata={"help": "learning rate of stage 1"})
@@ -80,31 +87,36 @@ class DistillOptions:
 
 
 def _parse_stages(text: str) -> set[int]:
-    stages = {int(s) for s in text.replace(" ", "").split(",") if s}
-    if not stages or not stages <= {1, 2}:
-        raise ValueError(f"--stages must name stages 1 and/or 2 (e.g. 1,2), got {text!r}")
+    parts = [s for s in text.replace(" ", "").split(",") if s]
+    if not parts or any(p not in ("1", "2") for p in parts):
+        raise ValueError(f"--stages must name stages 1 and/or 2 (e.g. --stages 1,2 or --stages 2), got {text!r}")
+    return {int(p) for p in parts}
+
+
+def _check_options(options: DistillOptions, data: DataOptions, training: TrainingOptions) -> set[int]:
+    """Every check that needs no model: options, the student folder, the output folder. Returns the stages."""
+    if not options.student:
+        raise ValueError("give the converted model folder: delta-attention distill STUDENT_DIR --output_dir OUT")
+    check_model_spec(options.student, "student")
+    if options.output not in ("merged", "adapter"):
+        raise ValueError(f"--output must be 'merged' or 'adapter', got {options.output!r}")
+    stages = _parse_stages(options.stages)
+    for name in ("stage1_tokens", "stage2_tokens"):
+        if getattr(options, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(options, name)}")
+    if options.lora_r < 1:
+        raise ValueError(f"--lora_r must be >= 1, got {options.lora_r}")
+    if options.teacher:
+        check_model_spec(options.teacher, "teacher")
+    training.validate()
+    data.validate()
+    check_output_folder(options.output_dir, overwrite=options.overwrite, resume=training.resume,
+                        force=options.force_overwrite, inputs=(options.student, options.teacher, data.dataset))
     return stages
 
 
-def _check_options(options: DistillOptions) -> None:
-    if not options.student:
-        raise ValueError("give the converted model folder: delta-attention distill STUDENT_DIR --output_dir OUT")
-    if not Path(options.student).is_dir():
-        raise FileNotFoundError(f"{options.student}: no such model folder (convert a model first)")
-    if options.output not in ("merged", "adapter"):
-        raise ValueError(f"--output must be 'merged' or 'adapter', got {options.output!r}")
-
-
 def _load_student(folder: str):
-    from transformers import AutoModelForCausalLM
-
-    import delta_attention  # noqa: F401  (registers the Auto classes)
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    if getattr(model.config, "model_type", None) != "delta":
-        raise ValueError(f"{folder} holds a {model.config.model_type!r} model; distill expects a converted delta model")
-    if not delta_layer_indices(model):
-        raise ValueError(f"{folder} has no delta layers to distill (every layer is softmax attention)")
+    model, _ = load_model(folder, require_delta=True, tokenizer=False, what="student")
     return model
 
 
@@ -114,10 +126,37 @@ def _load_teacher(options: DistillOptions, student):
     spec = options.teacher or getattr(student.config, SOURCE_ATTRIBUTE, None)
     if not spec:
         raise ValueError(f"{options.student} does not record its source model; pass --teacher SOURCE")
+    if not options.teacher:
+        check_model_spec(spec, f"teacher (recorded by convert in {options.student})")
     source = load_source(spec, dtype=torch.float32)
     teacher = source.model.eval()
     freeze_all(teacher)
+    check_teacher_matches(teacher, student, spec)
     return teacher, source.tokenizer
+
+
+#: config fields that a student shares with the model it was converted from
+_SHARED_SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads")
+
+
+def check_teacher_matches(teacher, student, spec: str) -> None:
+    """Raise when `teacher` is not the model `student` was converted from: another shape, or other weights
+    (conversion copies the embeddings, and distillation never trains them)."""
+    wrong = [f"{name} {getattr(teacher.config, name, None)} vs {getattr(student.config, name, None)}"
+             for name in _SHARED_SHAPE if getattr(teacher.config, name, None) != getattr(student.config, name, None)]
+    if not wrong:
+        ours = student.get_input_embeddings().weight.detach().float()
+        theirs = teacher.get_input_embeddings().weight.detach().float()
+        error = (ours - theirs).norm() / theirs.norm().clamp(min=1e-12)
+        if error > 1e-2:
+            wrong = [f"its token embeddings differ from the student's (relative difference {error:.3g})"]
+    if wrong:
+        recorded = getattr(student.config, SOURCE_ATTRIBUTE, None)
+        raise ValueError(
+            f"the teacher {spec} is not the model the student was converted from ({'; '.join(wrong)}); pass the "
+            "source given to `delta-attention convert`" + (f" (recorded: {Path(recorded).name})" if recorded else "")
+        )
 
 
 def _load_tokenizer(folder: str, fallback):
@@ -132,32 +171,32 @@ def _load_tokenizer(folder: str, fallback):
 
 
 def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOptions) -> dict:
-    """Run the stages asked for; returns the evaluation results (also written to `output_dir/results.json`)."""
-    _check_options(options)
-    stages = _parse_stages(options.stages)
-    out = Path(options.output_dir)
-    if out.exists() and any(out.iterdir()) and not (training.resume or options.overwrite):
-        raise FileExistsError(f"{out} already exists; pass --resume to continue that run or --overwrite to replace it")
-    if options.overwrite and not training.resume:
-        shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(data.seed)
+    """Run the stages asked for; returns the evaluation results (also written to `output_dir/results.json`).
 
+    Every input is checked and loaded before the output folder is touched; with `--overwrite` the new run works in
+    a staging folder that replaces the old one only when the run is complete."""
+    stages = _check_options(options, data, training)
     student = _load_student(options.student)
     teacher, teacher_tokenizer = _load_teacher(options, student)
     tokenizer = _load_tokenizer(options.student, teacher_tokenizer)
+    warn_if_longer_than_model(data.seq_len, student.config)
     blocks = training_blocks(data, tokenizer)
-
-    results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
-    evaluate = None
+    eval_windows = None
     if options.eval_tokens:
         seq = options.eval_seq_len or data.seq_len
         texts = list(load_texts(options.eval_dataset)["text"])
-        windows = token_windows(tokenizer, texts, seq, max(1, options.eval_tokens // seq))
-        evaluate = HeldoutEvaluator(windows)
+        eval_windows = token_windows(tokenizer, texts, seq, max(1, options.eval_tokens // seq))
+
+    run = open_run_folder(Path(options.output_dir), "distill", overwrite=options.overwrite, resume=training.resume)
+    out = run.work
+    torch.manual_seed(data.seed)
+    results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
+    evaluate = None
+    if eval_windows is not None:
+        evaluate = HeldoutEvaluator(eval_windows)
         if "teacher_ppl" not in results:
-            results["teacher_ppl"] = perplexity(teacher, windows, desc="teacher perplexity")
-            results["converted_ppl"] = perplexity(student, windows, desc="untrained student perplexity")
+            results["teacher_ppl"] = perplexity(teacher, eval_windows, desc="teacher perplexity")
+            results["converted_ppl"] = perplexity(student, eval_windows, desc="untrained student perplexity")
     layers = delta_layer_indices(student)
     results.update(recipe={"stages": sorted(stages), "seq_len": data.seq_len, "dataset": data.dataset,
                            "batch_size": training.batch_size, "mixed_precision": training.mixed_precision})
@@ -187,6 +226,7 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
         _write_results(out, results)
 
     if 2 in stages:
+        torch.manual_seed(data.seed + 1)  # the LoRA initialisation: the same --seed gives the same run
         peft_model, new_params = add_lora(
             student, options.lora_target_modules, options.lora_r, options.lora_alpha, options.lora_dropout
         )
@@ -221,6 +261,7 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
     runs = {f"stage {s}": out / f"stage{s}" / "metrics.jsonl" for s in (1, 2) if (out / f"stage{s}" / "metrics.jsonl").exists()}
     if runs:
         plot_metrics(runs, out / "metrics.png", title=f"distilling {Path(options.student).name}")
+    run.finish()
     print(results_table(results))
     return results
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from .evaluation import decode_speed, passkey_accuracy, perplexity_of_texts
+from .loading import check_model_spec, load_model
 from .text_data import load_texts
 
 TASKS = ("perplexity", "passkey", "speed")
@@ -45,19 +46,7 @@ def _ints(text: str) -> list[int]:
 
 def load_model_and_tokenizer(spec: str, dtype: torch.dtype = torch.float32):
     """A causal LM and its tokenizer from a folder, Hub id or `.gguf` file (delta models included)."""
-    import delta_attention  # noqa: F401  (registers the Auto classes)
-
-    from .sources import load_source
-
-    if str(spec).lower().endswith(".gguf"):
-        source = load_source(spec, dtype=dtype)
-        return source.model.eval(), source.tokenizer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if not Path(spec).exists() and "/" not in str(spec):
-        raise FileNotFoundError(f"{spec}: no such model folder or file")
-    model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype).eval()
-    return model, AutoTokenizer.from_pretrained(spec)
+    return load_model(spec, dtype=dtype)
 
 
 def evaluate_model(model, tokenizer, options: EvaluateOptions, texts: list[str] | None) -> dict:
@@ -108,6 +97,9 @@ def run_evaluate(options: EvaluateOptions) -> dict:
     """Evaluate the model (and the teacher); writes `report.json` and `report.md` under `output_dir`."""
     if not options.model:
         raise ValueError("give the model: delta-attention evaluate MODEL [--teacher SOURCE]")
+    check_model_spec(options.model)
+    if options.teacher:
+        check_model_spec(options.teacher, "teacher")
     dtype = torch.bfloat16 if options.bf16 else torch.float32
     texts = None
     if "perplexity" in options.tasks:

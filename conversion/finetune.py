@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import torch
 
 from .chat_data import chat_rows
 from .metrics import plot_metrics
+from .loading import check_model_spec, load_model
+from .output_folder import check_output_folder, open_run_folder
 from .saving import atomic_save, save_model_and_tokenizer
-from .text_data import DataOptions, load_texts, training_blocks
+from .text_data import DataOptions, load_texts, training_blocks, warn_if_longer_than_model
 from .training import TrainingOptions, run_training
 
 
@@ -28,7 +29,12 @@ class FinetuneOptions:
 
     model: str = dataclasses.field(default=None, metadata={"help": "delta model folder or Hub id", "positional": True})
     output_dir: str = dataclasses.field(default="finetuned", metadata={"help": "run folder"})
-    overwrite: bool = dataclasses.field(default=False, metadata={"help": "replace an existing output_dir"})
+    overwrite: bool = dataclasses.field(
+        default=False, metadata={"help": "replace an existing output_dir (a run of this tool) once the new run is done"}
+    )
+    force_overwrite: bool = dataclasses.field(
+        default=False, metadata={"help": "with --overwrite: replace output_dir even if this tool did not write it"}
+    )
     data_format: str = dataclasses.field(
         default="auto", metadata={"help": "text, chat (a `messages` column), or auto (chat when it has `messages`)"}
     )
@@ -47,24 +53,29 @@ class FinetuneOptions:
     merge: bool = dataclasses.field(default=False, metadata={"help": "also write the merged model to output_dir/merged"})
 
 
-def _load_model(name: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import delta_attention  # noqa: F401  (registers the Auto classes)
-
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(name)
-    return model, tokenizer
+def _check_options(options: FinetuneOptions, data: DataOptions, training: TrainingOptions) -> None:
+    """Every check that needs no model: options, the model folder, the output folder."""
+    if not options.model:
+        raise ValueError("give the model: delta-attention finetune MODEL --dataset DATA --output_dir OUT")
+    check_model_spec(options.model)
+    if options.data_format not in ("auto", "text", "chat"):
+        raise ValueError(f"--data_format must be auto, text or chat, got {options.data_format!r}")
+    if options.max_tokens < 1 or options.lora_r < 1:
+        raise ValueError(f"--max_tokens and --lora_r must be >= 1, got {options.max_tokens} and {options.lora_r}")
+    training.validate()
+    data.validate()
+    check_output_folder(options.output_dir, overwrite=options.overwrite, resume=training.resume,
+                        force=options.force_overwrite, inputs=(options.model, data.dataset))
 
 
 def finetune_rows(options: FinetuneOptions, data: DataOptions, tokenizer):
     """Training rows: a tensor of packed text blocks, or a dict of chat tensors with completion-only labels."""
-    if options.data_format not in ("auto", "text", "chat"):
-        raise ValueError(f"--data_format must be auto, text or chat, got {options.data_format!r}")
     fmt = options.data_format
     if fmt != "text":
         column = options.messages_column
-        table = load_texts(data.dataset, data.dataset_split, column, data.streaming) if fmt == "chat" else None
+        table = None
+        if fmt == "chat":
+            table = load_texts(data.dataset, data.dataset_split, column, data.streaming, column_flag="--messages_column")
         if fmt == "auto":
             try:
                 table = load_texts(data.dataset, data.dataset_split, column, data.streaming)
@@ -86,19 +97,17 @@ def run_finetune(options: FinetuneOptions, data: DataOptions, training: Training
     """Fine-tune with LoRA; returns a summary (also written to `output_dir/results.json`)."""
     from peft import LoraConfig, get_peft_model
 
-    if not options.model:
-        raise ValueError("give the model: delta-attention finetune MODEL --dataset DATA --output_dir OUT")
-    out = Path(options.output_dir)
-    if out.exists() and any(out.iterdir()) and not (training.resume or options.overwrite):
-        raise FileExistsError(f"{out} already exists; pass --resume to continue that run or --overwrite to replace it")
-    if options.overwrite and not training.resume:
-        shutil.rmtree(out, ignore_errors=True)
-    model, tokenizer = _load_model(options.model)
+    _check_options(options, data, training)
+    model, tokenizer = load_model(options.model)
+    warn_if_longer_than_model(data.seq_len, model.config)
     rows = finetune_rows(options, data, tokenizer)
     targets = options.lora_target_modules
     targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
     lora = LoraConfig(r=options.lora_r, lora_alpha=options.lora_alpha, lora_dropout=options.lora_dropout,
                       target_modules=targets, task_type="CAUSAL_LM")
+    run = open_run_folder(Path(options.output_dir), "finetune", overwrite=options.overwrite, resume=training.resume)
+    out = run.work
+    torch.manual_seed(data.seed)  # the LoRA initialisation: the same --seed gives the same run
     peft_model = get_peft_model(model, lora)
     params = [p for p in peft_model.parameters() if p.requires_grad]
     result = run_training(peft_model, _loss, [{"params": params, "lr": options.learning_rate}], rows, training, out,
@@ -113,4 +122,5 @@ def run_finetune(options: FinetuneOptions, data: DataOptions, training: Training
         atomic_save(lambda folder: save_model_and_tokenizer(merged, tokenizer, folder), out / "merged")
     (out / "results.json").write_text(json.dumps(summary, indent=1))
     plot_metrics({"fine-tuning": result.metrics_path}, out / "metrics.png", title=f"fine-tuning {options.model}")
+    run.finish()
     return summary

@@ -7,30 +7,27 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from .output_folder import make_private_folder_public, sigterm_raises, swap_in
+
 
 def atomic_save(save: Callable[[Path], object], folder: str | Path) -> Path:
     """Run `save(staging_folder)`, then move the result to `folder` only once `save` completed.
 
-    The staging folder is a hidden sibling (`.NAME.partial-XXXX`), removed if `save` raises. An older `folder` is
-    moved aside first and deleted only after the new one is in place, so it is restored if the move fails.
+    The staging folder is a hidden sibling (`.NAME.partial-XXXX`), removed if `save` raises or the process is
+    interrupted (Ctrl-C or SIGTERM). An older `folder` is moved aside first and deleted only after the new one is
+    in place, so it is restored if the move fails. The folder gets the permissions of the user's umask.
     """
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
-    retired = None
-    try:
-        save(staging)
-        if folder.exists():
-            retired = folder.with_name(f".{folder.name}.old-{staging.name.rsplit('-', 1)[-1]}")
-            folder.rename(retired)
-        staging.rename(folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        if retired is not None and not folder.exists():
-            retired.rename(folder)
-        raise
-    if retired is not None:
-        shutil.rmtree(retired, ignore_errors=True)
+    with sigterm_raises():
+        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
+        try:
+            make_private_folder_public(staging)
+            save(staging)
+            swap_in(staging, folder)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     return folder
 
 

@@ -87,15 +87,19 @@ def resolve(spec: str | os.PathLike) -> SourceRef:
         return SourceRef(text, "folder", str(path.resolve()))
     if path.exists():
         raise FileNotFoundError(f"{text} is a file but not a .gguf file; give a folder, a .gguf file or a Hub id")
-    looks_like_hub_id = (
+    if not looks_like_hub_id(text):
+        raise FileNotFoundError(f"source not found: {text} (no such folder or .gguf file)")
+    return SourceRef(text, "hub", text)
+
+
+def looks_like_hub_id(text: str) -> bool:
+    """Whether `text` (not an existing path) could be a Hub repo id: `name` or `owner/name`."""
+    return (
         not text.startswith((".", "/", "~"))
         and text.count("/") <= 1
         and "\\" not in text
         and all(part and part[0].isalnum() for part in text.split("/"))
     )
-    if not looks_like_hub_id:
-        raise FileNotFoundError(f"source not found: {text} (no such folder or .gguf file)")
-    return SourceRef(text, "hub", text)
 
 
 def _hub_error(ref: SourceRef, error: Exception) -> FileNotFoundError:
@@ -116,7 +120,9 @@ def load_config(ref: SourceRef):
             raise _hub_error(ref, error) from None
         if "model_type" in str(error) or "Unrecognized" in str(error) or "not supported" in str(error):
             raise ValueError(f"unsupported architecture in {ref.spec}: {error}. Supported: {supported_text()}") from None
-        raise
+        what = "config.json" if ref.kind == "folder" else "GGUF metadata"
+        raise ValueError(f"{ref.spec}: its {what} could not be read ({_first_line(error)}); "
+                         "the file is damaged or incomplete: download or save the model again") from None
 
 
 def check_supported(config) -> None:
@@ -169,9 +175,13 @@ def load_source(spec, dtype: str | torch.dtype = "auto", with_tokenizer: bool = 
     kwargs = ref.from_pretrained_kwargs()
     try:
         model = AutoModelForCausalLM.from_pretrained(ref.path, dtype=dtype, **kwargs)
-    except OSError as error:
-        if ref.kind == "hub":
+    except Exception as error:  # noqa: BLE001  (safetensors, json and gguf readers raise their own types)
+        if ref.kind == "hub" and isinstance(error, OSError):
             raise _hub_error(ref, error) from None
+        if isinstance(error, (OSError, ValueError, RuntimeError)) or "Safetensor" in type(error).__name__:
+            raise ValueError(f"{ref.spec}: the weights could not be loaded ({type(error).__name__}: "
+                             f"{_first_line(error)}); the weight files are damaged or incomplete: download or save "
+                             "the model again") from None
         raise
     model.eval()
     check_layout(model)
@@ -179,9 +189,18 @@ def load_source(spec, dtype: str | torch.dtype = "auto", with_tokenizer: bool = 
     if with_tokenizer and (ref.kind != "folder" or _has_tokenizer_files(Path(ref.path))):
         try:
             tokenizer = AutoTokenizer.from_pretrained(ref.path, **kwargs)
-        except (OSError, ValueError, TypeError):
-            tokenizer = None
+        except Exception as error:  # noqa: BLE001  (tokenizers raise their own exception types)
+            raise ValueError(
+                f"{ref.spec}: its tokenizer could not be loaded ({type(error).__name__}: {_first_line(error)}). "
+                "Repair or remove the tokenizer files, or pass --no_tokenizer to convert without one (calibration "
+                "then uses random token ids and no tokenizer is saved)"
+            ) from None
     return Source(ref, model, tokenizer)
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")

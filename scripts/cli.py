@@ -56,20 +56,58 @@ def _argument_parser(classes: tuple, prog: str):
 
 
 def parse_options(options_classes, argv: list[str], prog: str) -> tuple:
-    """Parse `argv` into the dataclass(es): flags, one YAML/JSON file, or a leading positional argument."""
+    """Parse `argv` into the dataclass(es): flags, one YAML/JSON file, or a leading positional argument.
+
+    Unknown flags, unknown keys and unreadable option files raise `ValueError` with a one-line message."""
     classes = options_classes if isinstance(options_classes, tuple) else (options_classes,)
     parser = _argument_parser(classes, prog)
-    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml")):
-        return tuple(parser.parse_yaml_file(argv[0]))
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        return tuple(parser.parse_json_file(argv[0]))
+    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml", ".json")):
+        return _parse_file(parser, argv[0])
     positional = [f for cls in classes for f in dataclasses.fields(cls) if f.metadata.get("positional")]
     if argv and not argv[0].startswith("-") and positional:
         argv = [f"--{positional[0].name}", argv[0], *argv[1:]]
-    return tuple(parser.parse_args_into_dataclasses(args=argv))
+    *parsed, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if unknown:
+        raise ValueError(f"unknown option(s) {' '.join(unknown)}; `{prog} --help` lists the options")
+    return tuple(parsed)
+
+
+def _parse_file(parser, path: str) -> tuple:
+    """Options from one YAML or JSON file, with errors that name the file and the problem."""
+    import json
+
+    import yaml
+
+    try:
+        text = open(path, encoding="utf-8").read()
+    except OSError as error:
+        raise FileNotFoundError(f"options file {path}: {error.strerror or error}") from None
+    try:
+        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as error:
+        detail = " ".join(str(error).split())
+        raise ValueError(f"options file {path} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: "
+                         f"{detail}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"options file {path} must hold a mapping of option names to values, got "
+                         f"{type(data).__name__}")
+    known = {f.name for cls in parser.dataclass_types for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"options file {path} has unknown option(s) {unknown}; `--help` lists the options")
+    try:
+        return tuple(parser.parse_dict(data))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"options file {path}: {error}") from None
+
+
+#: what a user can cause and fix: printed as one line, no traceback
+USER_ERRORS = (ValueError, OSError, ArithmeticError)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from delta_attention.conversion.output_folder import sigterm_raises
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
@@ -80,13 +118,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"delta-attention: unknown subcommand {name!r}; choose one of {available}", file=sys.stderr)
         return 2
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    options = parse_options(module.Options, rest, prog=f"delta-attention {name}")
-    try:
-        result = module.run(*options)
-    except (ValueError, FileNotFoundError, FileExistsError, ArithmeticError) as error:
-        # user errors (and a diverged training run): one clear line, no traceback
-        print(f"delta-attention {name}: error: {error}", file=sys.stderr)
-        return 1
+    with sigterm_raises():
+        try:
+            options = parse_options(module.Options, rest, prog=f"delta-attention {name}")
+            result = module.run(*options)
+        except USER_ERRORS as error:
+            # user errors (and a diverged training run): one clear line, no traceback
+            print(f"delta-attention {name}: error: {error}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print(f"delta-attention {name}: interrupted", file=sys.stderr)
+            return 130
     return int(result or 0)
 
 

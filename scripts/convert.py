@@ -50,7 +50,15 @@ class Options:
     bf16: bool = dataclasses.field(default=True, metadata={"help": "bf16 autocast for calibration and ranking"})
     dtype: str = dataclasses.field(default="auto", metadata={"help": "saved weights: auto (source dtype) | float32 | bfloat16 | float16"})
     seed: int = dataclasses.field(default=0, metadata={"help": "seed of the new parameters' random parts"})
-    overwrite: bool = dataclasses.field(default=False, metadata={"help": "replace an existing output folder"})
+    overwrite: bool = dataclasses.field(
+        default=False, metadata={"help": "replace an existing output folder that delta-attention wrote"}
+    )
+    force_overwrite: bool = dataclasses.field(
+        default=False, metadata={"help": "with --overwrite: replace the output folder even if this tool did not write it"}
+    )
+    tokenizer: bool = dataclasses.field(
+        default=True, metadata={"help": "load and save the source's tokenizer (--no_tokenizer: convert without one)"}
+    )
     dry_run: bool = dataclasses.field(
         default=False, metadata={"help": "print the plan (layer map, parameters, state vs KV bytes); write nothing"}
     )
@@ -84,6 +92,8 @@ def run(options: Options) -> int:
         options.out,
         settings_from(options),
         overwrite=options.overwrite,
+        force_overwrite=options.force_overwrite,
+        tokenizer=options.tokenizer,
         dry_run=options.dry_run,
         calibration_texts=texts,
         progress=not options.quiet,

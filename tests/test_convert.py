@@ -298,6 +298,7 @@ def test_overwrite_replaces_an_existing_folder(tmp_path):
     source_dir = saved_source(tmp_path, "llama")
     out = tmp_path / "again"
     out.mkdir()
+    (out / "conversion.json").write_text("{}")  # an earlier conversion (only folders this tool wrote are replaced)
     (out / "stale.txt").write_text("old")
     convert(str(source_dir), out, ConversionSettings(keep_attention="all", **FAST), overwrite=True, progress=False,
             log=lambda *a: None)
