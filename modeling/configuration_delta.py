@@ -5,10 +5,19 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
 
-DELTA_LAYER_TYPES = ("linear_attention", "full_attention", "sliding_attention")
+#: the layer-type strings of `config.layer_types` (transformers' own, so its caches build the right layers)
+DELTA_LAYER = "linear_attention"
+FULL_ATTENTION_LAYER = "full_attention"
+SLIDING_ATTENTION_LAYER = "sliding_attention"
+DELTA_LAYER_TYPES = (DELTA_LAYER, FULL_ATTENTION_LAYER, SLIDING_ATTENTION_LAYER)
 DELTA_GATES = ("none", "scalar", "channel")
 CONV_ACTIVATIONS = (None, "silu")
 OUTPUT_GATE_ACTIVATIONS = ("silu", "sigmoid")
+
+
+def delta_layer_indices(layer_types) -> list[int]:
+    """Indices of the delta layers in a list of layer types (the one definition of "which layers are delta")."""
+    return [i for i, kind in enumerate(layer_types) if kind == DELTA_LAYER]
 
 
 @strict
@@ -113,7 +122,7 @@ class DeltaConfig(PreTrainedConfig):
         if self.attention_out_bias is None:
             self.attention_out_bias = self.attention_bias
         if self.layer_types is None:
-            self.layer_types = ["linear_attention"] * self.num_hidden_layers
+            self.layer_types = [DELTA_LAYER] * self.num_hidden_layers
         if self.linear_num_heads is None:
             self.linear_num_heads = self.num_attention_heads
         if self.linear_key_head_dim is None:
@@ -135,8 +144,13 @@ class DeltaConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
 
     @property
+    def delta_layers(self) -> list[int]:
+        """Indices of the delta (linear attention) layers."""
+        return delta_layer_indices(self.layer_types)
+
+    @property
     def num_delta_layers(self) -> int:
-        return sum(t == "linear_attention" for t in self.layer_types)
+        return len(self.delta_layers)
 
     def validate_layer_type(self):
         """Every entry of `layer_types` is one of ours, and there is one per layer."""
@@ -184,4 +198,4 @@ class DeltaConfig(PreTrainedConfig):
 
 DeltaConfig.register_for_auto_class()
 
-__all__ = ["DeltaConfig"]
+__all__ = ["DELTA_GATES", "DELTA_LAYER", "DELTA_LAYER_TYPES", "DeltaConfig", "delta_layer_indices"]
