@@ -52,6 +52,12 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def inverse_softplus(y: torch.Tensor) -> torch.Tensor:
+    """x with softplus(x) = y, for y > 0 (y clamped to at least 1e-6)."""
+    y = y.clamp(min=1e-6)
+    return y + torch.log(-torch.expm1(-y))
+
+
 class DeltaRMSNorm(LlamaRMSNorm):
     pass
 
@@ -75,7 +81,17 @@ class DeltaHeadRMSNorm(nn.Module):
 
 
 class DeltaAttention(nn.Module):
-    """Delta attention: short conv, L2-normalised q/k, beta, decay gate, delta-rule state, gated output norm."""
+    """Delta attention: short conv, L2-normalised q/k, beta, decay gate, delta-rule state, gated output norm.
+
+    The layer owns its parametrisation: `new_parameters()` lists what softmax attention lacks, and
+    `decay_at_rest` / `beta_at_rest` read (their `set_` forms write) the per-head decay and beta at zero input.
+    """
+
+    # the parameters a delta layer shares with softmax attention (by name); everything else is new
+    COPIED_FROM_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+    # `set_decay_at_rest` / `set_beta_at_rest` clamp their inputs to these ranges
+    DECAY_AT_REST_RANGE = (0.5, 0.9999)
+    BETA_AT_REST_RANGE = (1e-3, 1 - 1e-3)
 
     def __init__(self, config: DeltaConfig, layer_idx: int):
         super().__init__()
@@ -134,16 +150,91 @@ class DeltaAttention(nn.Module):
         out = out[..., : conv_input.shape[-1]][..., -seq_len:]
         return self.conv_act(out.transpose(1, 2))
 
+    # ------------------------------------------------------------------------------------------------------
+    # parametrisation: the maps from the layer's parameters to decay and beta, next to their inverses
+
+    def new_parameters(self) -> list[nn.Parameter]:
+        """The parameters this layer has and softmax attention lacks (all but `COPIED_FROM_ATTENTION`)."""
+        return [p for name, p in self.named_parameters() if name.split(".")[0] not in self.COPIED_FROM_ATTENTION]
+
+    def _decay_map(self, a: torch.Tensor) -> torch.Tensor:
+        # Mamba2-style log-decay g = -exp(A_log) * softplus(a + dt_bias) of the gate input a:
+        # a [..., H] -> g [..., H] (scalar gate); a [..., H * K] -> g [..., H, K] (channel gate)
+        a = a.float() + self.dt_bias.float()
+        if self.gate == "scalar":
+            return -self.A_log.float().exp() * F.softplus(a)
+        a = a.unflatten(-1, (self.num_heads, self.key_head_dim))
+        return -self.A_log.float().exp()[:, None] * F.softplus(a)
+
     def _log_decay(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        # Mamba2-style decay g = -exp(A_log) * softplus(a + dt_bias): [B, T, H] (scalar) or [B, T, H, K] (channel)
+        # [B, T, hidden] -> log-decay [B, T, H] (scalar gate) or [B, T, H, K] (channel gate); None without a gate
         if self.gate == "none":
             return None
         if self.gate == "scalar":
-            a = self.a_proj(hidden_states).float()
-            return -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
-        a = self.a_up_proj(self.a_proj(hidden_states)).float() + self.dt_bias.float()
-        a = a.unflatten(-1, (self.num_heads, self.key_head_dim))
-        return -self.A_log.float().exp()[:, None] * F.softplus(a)
+            return self._decay_map(self.a_proj(hidden_states))
+        return self._decay_map(self.a_up_proj(self.a_proj(hidden_states)))
+
+    @torch.no_grad()
+    def decay_at_rest(self) -> torch.Tensor | None:
+        """Per-head decay factor a in (0, 1) at zero input (the state is multiplied by a every token): [H].
+
+        For the channel gate, the mean over each head's channels of the log-decay, exponentiated. None for the
+        gate "none" (no decay)."""
+        if self.gate == "none":
+            return None
+        log_decay = self._decay_map(torch.zeros_like(self.dt_bias))  # the gate projections have no bias
+        if self.gate == "channel":
+            log_decay = log_decay.mean(-1)
+        return log_decay.exp()
+
+    @torch.no_grad()
+    def set_decay_at_rest(self, decay: torch.Tensor) -> None:
+        """Inverse of `decay_at_rest`: A_log = 0 and dt_bias = softplus^-1(-log a) (the same for every channel of
+        a head with the channel gate), with `decay` [H] clamped to `DECAY_AT_REST_RANGE`. No-op for the gate
+        "none"."""
+        if self.gate == "none":
+            return
+        decay = decay.float().clamp(*self.DECAY_AT_REST_RANGE)
+        dt = inverse_softplus(-torch.log(decay))  # softplus(dt_bias) = -log(a) with A = exp(A_log) = 1
+        if self.gate == "channel":
+            dt = dt.repeat_interleave(self.key_head_dim)
+        self.A_log.zero_()
+        self.dt_bias.copy_(dt.to(self.dt_bias.dtype))
+
+    def _beta(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # [B, T, hidden] -> beta [B, T, H] in (0, 1), or in (0, 2) with negative eigenvalues allowed
+        return self._beta_map(self.b_proj(hidden_states))
+
+    def _beta_map(self, b: torch.Tensor) -> torch.Tensor:
+        beta = b.float().sigmoid()
+        return beta * 2.0 if self.allow_neg_eigval else beta
+
+    @torch.no_grad()
+    def beta_at_rest(self) -> torch.Tensor:
+        """Per-head beta at zero input: [H] (`b_proj`'s bias through the beta map)."""
+        return self._beta_map(self.b_proj.bias)
+
+    @torch.no_grad()
+    def set_beta_at_rest(self, beta: torch.Tensor) -> None:
+        """Inverse of `beta_at_rest`: b_proj.bias = logit(beta) (logit(beta / 2) with negative eigenvalues allowed),
+        with the sigmoid's argument clamped to `BETA_AT_REST_RANGE`."""
+        beta = beta.float()
+        if self.allow_neg_eigval:
+            beta = beta / 2
+        beta = beta.clamp(*self.BETA_AT_REST_RANGE)
+        self.b_proj.bias.copy_(torch.log(beta / (1 - beta)).to(self.b_proj.bias.dtype))
+
+    def _identity_conv_weight(self) -> torch.Tensor:
+        """A short-conv weight that passes the current token through unchanged: zeros, last tap 1."""
+        weight = torch.zeros_like(self.conv1d.weight)
+        weight[..., -1] = 1.0
+        return weight
+
+    @torch.no_grad()
+    def reset_conv_to_identity(self) -> None:
+        """Make the short conv a pass-through (last tap 1, others 0). No-op without a short conv."""
+        if self.conv_kernel_size > 0:
+            self.conv1d.weight.copy_(self._identity_conv_weight())
 
     def forward(
         self,
@@ -168,9 +259,7 @@ class DeltaAttention(nn.Module):
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = l2_normalize(query), l2_normalize(key)
 
-        beta = self.b_proj(hidden_states).float().sigmoid()  # [B, T, H]
-        if self.allow_neg_eigval:
-            beta = beta * 2.0
+        beta = self._beta(hidden_states)  # [B, T, H]
         log_decay = self._log_decay(hidden_states)
         if attention_mask is not None:
             keep = attention_mask[:, :, None].float()
@@ -316,12 +405,11 @@ class DeltaPreTrainedModel(PreTrainedModel):
                 init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1, 16).log())
                 dt = torch.exp(torch.rand_like(module.dt_bias) * (torch.log(torch.tensor(0.1)) - torch.log(torch.tensor(1e-3)))
                                + torch.log(torch.tensor(1e-3))).clamp(min=1e-4)
-                init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
+                init.copy_(module.dt_bias, inverse_softplus(dt))
             if module.conv_kernel_size > 0:
                 # a short conv that starts by passing the current token through unchanged
-                weight = torch.zeros_like(module.conv1d.weight)
-                weight[..., -1] = 1.0
-                init.copy_(module.conv1d.weight, weight)
+                # (`init.copy_` leaves loaded weights alone; `reset_conv_to_identity` always writes)
+                init.copy_(module.conv1d.weight, module._identity_conv_weight())
         elif isinstance(module, DeltaHeadRMSNorm):
             init.ones_(module.weight)
 
