@@ -1,6 +1,6 @@
 """Fast chunkwise delta rule for CPUs: batched matmuls over (batch, head, chunk) and a chunked backward.
 
-The maths is the WY / UT form of DESIGN.md section 3.3. Per chunk of C tokens, with `G` the chunk-local
+The maths is the WY / UT form of docs/design.md, chunked form. Per chunk of C tokens, with `G` the chunk-local
 cumulative log-decay (per head or per key channel), `S` the state entering the chunk and `b` the betas:
 
     M  = tril(Q K^T . Gamma)                          (decayed causal scores, Gamma = exp(G_t - G_i))
@@ -22,6 +22,8 @@ while decays, the triangular inverse and the state stay float32.
 from __future__ import annotations
 
 import torch
+
+from .delta_reference import gate_kind
 
 
 # Per-channel gate: scores are factorised through a reference log-decay at the start of each sub-block of
@@ -127,7 +129,7 @@ class _Scores:
       diagonal, no exponent ever > 0.
     * "blocks": per-channel decay where no sub-block of SUB_BLOCK tokens decays by more than
       exp(-LOG_SPAN_LIMIT): factored through the log-decay at the start of each row's sub-block.
-    (A per-channel decay beyond that takes the exact elementwise path of `delta_rule.py`.)
+    (A per-channel decay beyond that takes the exact elementwise path of `delta_reference.py`.)
 
     `forward()` gives [..., 2, C, C]: [0] = Q K^T . Gamma masked to i <= t, [1] = K K^T . Gamma with only its
     strict lower triangle meaningful (the rest is finite garbage that the callers never read).
@@ -221,10 +223,9 @@ class _Scores:
 class _ChunkTerms:
     """What a chunk needs that does not depend on the state entering it: decays, scores and the UT transform."""
 
-    def __init__(self, qk, v, beta, log_decay, for_backward: bool = False):
+    def __init__(self, qk, v, beta, log_decay, channel: bool, for_backward: bool = False):
         mm = qk.dtype
         value_dim = v.shape[-1]
-        channel = log_decay is not None and log_decay.dim() == qk.dim() - 1
         self.channel, self.log_decay = channel, log_decay
         k = qk[..., 1, :, :]
 
@@ -302,11 +303,12 @@ def _segments(n_chunks: int, flat_heads: int):
     return [(start, min(start + step, n_chunks)) for start in range(0, n_chunks, step)]
 
 
-def chunk_forward(qk, v, beta, log_decay, state):
+def chunk_forward(qk, v, beta, log_decay, state, channel: bool):
     """Chunked delta rule on prepared chunks.
 
     qk: [N, B, H, 2, C, K] (q unscaled); v: [N, B, H, C, V]; beta: [N, B, H, C] float32;
-    log_decay: None | [N, B, H, C] | [N, B, H, C, K] chunk-local cumsum, float32; state: [B, H, K, V] float32.
+    log_decay: None | [N, B, H, C] | [N, B, H, C, K] chunk-local cumsum, float32 (`channel`: the last one);
+    state: [B, H, K, V] float32.
     Returns (o [N, B, H, C, V] unscaled, states [N + 1, BH, K, V], V' [N, BH, C, V]); states[-1] is the final one.
     """
     n_chunks, batch, heads, _, chunk, key_dim = qk.shape
@@ -317,7 +319,7 @@ def chunk_forward(qk, v, beta, log_decay, state):
     v_new = torch.empty(n_chunks, flat_heads, chunk, value_dim, dtype=mm, device=qk.device)
     for start, end in _segments(n_chunks, flat_heads):
         segment = slice(start, end)
-        terms = _ChunkTerms(qk[segment], v[segment], beta[segment], _part(log_decay, segment))
+        terms = _ChunkTerms(qk[segment], v[segment], beta[segment], _part(log_decay, segment), channel)
         _scan_forward(terms, states[start : end + 1], v_new[segment])
         # O = Q . exp(G) S + M V', batched over the segment's chunks
         q_decayed = terms.qk_decayed[..., 0, :, :].reshape(-1, chunk, key_dim)
@@ -366,7 +368,7 @@ def _scan_backward(terms: _ChunkTerms, grad_out: torch.Tensor, grad_final: torch
     return grads, grad_v_new
 
 
-def chunk_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_final):
+def chunk_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_final, channel: bool):
     """Gradients of the chunked delta rule. `grad_out` [N, B, H, C, V] is for the unscaled output; `states` and
     `v_new` are what `chunk_forward` returned. Segments run last to first, the state gradient carried between them.
 
@@ -382,7 +384,7 @@ def chunk_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_final):
         segment = slice(start, end)
         parts = _segment_backward(
             qk[segment], v[segment], beta[segment], _part(log_decay, segment), states[start : end + 1],
-            v_new[segment], grad_out[segment], carried,
+            v_new[segment], grad_out[segment], carried, channel,
         )
         grad_qk[segment], grad_v[segment], grad_beta[segment] = parts[:3]
         if grad_log is not None:
@@ -391,15 +393,14 @@ def chunk_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_final):
     return grad_qk, grad_v, grad_beta, grad_log, carried
 
 
-def _segment_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_final):
+def _segment_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_final, channel: bool):
     """`chunk_backward` for consecutive chunks; `states` [N + 1, BH, K, V] from the one entering the first chunk to
     the one leaving the last, `grad_final` the gradient there. Returns the same five gradients."""
     mm = qk.dtype
     n_chunks, batch, heads, _, chunk, key_dim = qk.shape
     value_dim = v.shape[-1]
     chunked = (n_chunks, batch, heads)
-    terms = _ChunkTerms(qk, v, beta, log_decay, for_backward=True)
-    channel = terms.channel
+    terms = _ChunkTerms(qk, v, beta, log_decay, channel, for_backward=True)
     grad_out = grad_out.to(mm)
     grads, grad_v_new = _scan_backward(terms, grad_out, grad_final, value_dim)
     grad_state = grads[0].view(batch, heads, key_dim, value_dim)
@@ -482,7 +483,7 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
     """The chunked delta rule with a chunked backward; saves only the inputs and one state per chunk."""
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, g, initial_state, scale, chunk_size):
+    def forward(ctx, q, k, v, beta, g, initial_state, scale, chunk_size, channel):
         batch, seq_len, heads, key_dim = q.shape
         value_dim = v.shape[-1]
         qk, v_c, beta_c, log_decay = _prepare(q, k, v, beta, g, chunk_size)
@@ -490,22 +491,22 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
             state = q.new_zeros((batch, heads, key_dim, value_dim), dtype=torch.float32)
         else:
             state = initial_state.float()
-        o, states, v_new = chunk_forward(qk, v_c, beta_c, log_decay, state)
+        o, states, v_new = chunk_forward(qk, v_c, beta_c, log_decay, state, channel)
         ctx.save_for_backward(qk, v_c, beta_c, log_decay, states, v_new)
         final = states[-1].clone().view(batch, heads, key_dim, value_dim)
         ctx.meta = (seq_len, scale, q.dtype, k.dtype, v.dtype, beta.dtype, None if g is None else g.dtype,
-                    initial_state is not None)
+                    initial_state is not None, channel)
         return from_chunks(o, seq_len, v.dtype, scale), final
 
     @staticmethod
     def backward(ctx, grad_out, grad_final):
         qk, v_c, beta_c, log_decay, states, v_new = ctx.saved_tensors
-        seq_len, scale, q_dtype, k_dtype, v_dtype, beta_dtype, g_dtype, has_state = ctx.meta
+        seq_len, scale, q_dtype, k_dtype, v_dtype, beta_dtype, g_dtype, has_state, channel = ctx.meta
         chunk = qk.shape[-2]
         grad_out_c = to_chunks(grad_out, chunk, qk.dtype)
         grad_out_c.mul_(scale)
         grad_qk, grad_v, grad_beta, grad_log, grad_state = chunk_backward(
-            qk, v_c, beta_c, log_decay, states, v_new, grad_out_c, grad_final
+            qk, v_c, beta_c, log_decay, states, v_new, grad_out_c, grad_final, channel
         )
         grad_g = None
         if grad_log is not None:
@@ -519,6 +520,7 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
             from_chunks(grad_beta, seq_len, beta_dtype),
             grad_g,
             grad_state if has_state else None,
+            None,
             None,
             None,
         )
@@ -535,7 +537,9 @@ def channel_decay_fits(g: torch.Tensor, chunk_size: int) -> bool:
     return bool((spans.amin() >= -LOG_SPAN_LIMIT).item()) if spans.numel() else True
 
 
-def fast_chunk_delta_rule(q, k, v, beta, g=None, initial_state=None, scale=None, chunk_size=64):
-    """Chunked delta rule through `ChunkDeltaRuleFunction` (see `delta_rule.chunk_delta_rule` for the contract)."""
+def fast_chunk_delta_rule(q, k, v, beta, g=None, initial_state=None, scale=None, chunk_size=64, gate=None):
+    """Chunked delta rule through `ChunkDeltaRuleFunction` (see `delta_rule.chunk_delta_rule` for the contract);
+    `gate` is `gate_kind(g)`, computed when not given."""
+    gate = gate_kind(g) if gate is None else gate
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return ChunkDeltaRuleFunction.apply(q, k, v, beta, g, initial_state, scale, chunk_size)
+    return ChunkDeltaRuleFunction.apply(q, k, v, beta, g, initial_state, scale, chunk_size, gate == "channel")

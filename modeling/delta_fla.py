@@ -1,7 +1,7 @@
 """Optional dispatch to flash-linear-attention's Triton kernels on CUDA (`pip install delta-attention[gpu]`).
 
 Everything here is optional: without `fla` (or without CUDA) `fla_available` is False and the pure PyTorch
-kernels of `delta_rule.py` run. The entry points take and return exactly what ours do: q, k [B, T, H, K],
+kernels of `delta_chunk.py` and `delta_rule.py` run. The entry points take and return exactly what ours do: q, k [B, T, H, K],
 v [B, T, H, V], beta [B, T, H], g None | [B, T, H] | [B, T, H, K] (log-decay), state [B, H, K, V] float32.
 fla's chunk kernels want 16-bit q/k/v, so float32 inputs are run in bfloat16 and the output cast back;
 the state stays float32 in the [K, V] layout (fla's `state_v_first=False`, passed explicitly where the installed
@@ -47,20 +47,22 @@ def _state_layout_kwargs(function) -> dict:
     return {}
 
 
-def fla_delta_rule(q, k, v, beta, g=None, initial_state=None, scale=None, recurrent: bool = False):
-    """Our delta rule through fla: chunked kernels for prefill/training, fused recurrent ones for decoding."""
-    channel = g is not None and g.dim() == 4
-    if g is None:
+def fla_delta_rule(q, k, v, beta, g=None, initial_state=None, scale=None, *, gate: str, recurrent: bool = False):
+    """Our delta rule through fla: chunked kernels for prefill/training, fused recurrent ones for decoding.
+
+    `gate` is the entry point's `gate_kind(g)`: "none" (DeltaNet kernels), "scalar" (gated DeltaNet) or
+    "channel" (KDA)."""
+    if gate == "none":
         function = _fla_recurrent_delta if recurrent else _fla_chunk_delta
-        gate = {}
-    elif channel:
+        decay = {}
+    elif gate == "channel":
         function = _fla_recurrent_kda if recurrent else _fla_chunk_kda
         if function is None:
             raise RuntimeError("the installed flash-linear-attention has no KDA kernels; upgrade it")
-        gate = {"g": g.float()}
+        decay = {"g": g.float()}
     else:
         function = _fla_recurrent_gated if recurrent else _fla_chunk_gated
-        gate = {"g": g.float()}
+        decay = {"g": g.float()}
     dtype = v.dtype
     compute = torch.bfloat16 if q.dtype == torch.float32 else q.dtype
     state = None if initial_state is None else initial_state.float().contiguous()
@@ -72,7 +74,7 @@ def fla_delta_rule(q, k, v, beta, g=None, initial_state=None, scale=None, recurr
         scale=q.shape[-1] ** -0.5 if scale is None else scale,
         initial_state=state,
         output_final_state=True,
-        **gate,
+        **decay,
         **_state_layout_kwargs(function),
     )
     return out.to(dtype), final.float()

@@ -265,7 +265,7 @@ class DeltaAttention(nn.Module):
             keep = attention_mask[:, :, None].float()
             beta = beta * keep
             if log_decay is not None:
-                log_decay = log_decay * (keep if log_decay.dim() == 3 else keep[..., None])
+                log_decay = log_decay * (keep[..., None] if self.gate == "channel" else keep)
 
         if seq_len == 1:  # decode: the state is updated in place, in the cache's own buffer
             output, final_state = recurrent_delta_rule(

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from delta_attention import chunk_delta_rule, delta_rule_reference, recurrent_delta_rule
+from delta_attention.modeling.delta_rule import gate_kind
 
 from conftest import delta_rule_inputs
 
@@ -72,3 +73,20 @@ def test_initial_state_shape_is_checked():
     q, k, v, beta, g = delta_rule_inputs("scalar", seq_len=5)
     with pytest.raises(ValueError, match=r"initial_state has shape \(2, 3, 8, 8\), expected \(2, 3, 16, 8\)"):
         chunk_delta_rule(q, k, v, beta, g, initial_state=torch.zeros(2, 3, 8, 8))
+
+
+@pytest.mark.parametrize("gate", GATES)
+def test_gate_kind_is_read_off_the_decay_shape(gate):
+    *_, g = delta_rule_inputs(gate, seq_len=5)
+    assert gate_kind(g) == gate
+    with pytest.raises(ValueError, match=r"g must be None, \[B, T, H\] or \[B, T, H, K\]"):
+        gate_kind(torch.zeros(2, 5))
+
+
+@pytest.mark.parametrize("gate", GATES)
+def test_plain_chunked_form_agrees_with_reference(gate):
+    q, k, v, beta, g = delta_rule_inputs(gate, seq_len=70)
+    state = torch.randn(2, 3, 16, 8)
+    o_ref, s_ref = delta_rule_reference(q, k, v, beta, g, initial_state=state)
+    o, s = chunk_delta_rule(q, k, v, beta, g, initial_state=state, chunk_size=16, implementation="elementwise")
+    assert (o - o_ref).abs().max() <= 1e-5 and (s - s_ref).abs().max() <= 1e-5
