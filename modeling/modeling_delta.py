@@ -1,8 +1,10 @@
 """Delta-attention decoder: Llama-family blocks whose token mixers are delta attention or softmax attention.
 
-Delta layers keep one fixed-size state per head (see `delta_rule.py` for the maths), stored in transformers'
-own `LinearAttentionLayer` cache entries; softmax layers use the usual KV cache entries. Which layer is
-which comes from `config.layer_types`, so `DynamicCache(config=...)` and `StaticCache` build the right mix.
+Delta layers keep one fixed-size state per head (see `delta_reference.py` for the maths), stored in
+`DeltaLinearAttentionLayer` cache entries (transformers' `LinearAttentionLayer` counting its tokens, see
+`delta_cache.py`); softmax layers use the usual KV cache entries. Which layer is which comes from
+`config.layer_types`, so `DeltaCache(config=...)`, `DynamicCache(config=...)` and `StaticCache` build the right mix.
+Long prompts have their own path, `DeltaForCausalLM.prefill`, which `generate` uses too.
 """
 
 from collections.abc import Callable
@@ -36,7 +38,8 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_delta import DeltaConfig
-from .delta_prefill import prefill_in_pieces, wants_pieces
+from .delta_cache import DeltaCache, cached_length, use_delta_layers
+from .delta_prefill import KeptHidden, release_freed_memory
 from .delta_rule import chunk_delta_rule, recurrent_delta_rule
 
 
@@ -276,9 +279,7 @@ class DeltaAttention(nn.Module):
                 query, key, value, beta, log_decay, initial_state=recurrent_state, chunk_size=self.chunk_size
             )
         if cache is not None:
-            cache.update_recurrent_state(final_state, self.layer_idx)
-            # `has_previous_state` is only set by `update_conv_state`; without a conv we set it ourselves
-            cache.layers[self.layer_idx].has_previous_state[0] = True
+            cache.update_recurrent_state(final_state, self.layer_idx, new_tokens=seq_len)
 
         output = self.o_norm(output)  # [B, T, H, V]
         output = output.reshape(batch, seq_len, self.value_dim)
@@ -427,6 +428,7 @@ class DeltaModel(DeltaPreTrainedModel):
         self.post_init()
 
     def _check_cache(self, cache: Cache) -> None:
+        """Refuse a cache built for other layer types; give its delta layers the token count (`use_delta_layers`)."""
         layers = getattr(cache, "layers", None)
         ok = layers is not None and len(layers) == self.config.num_hidden_layers and all(
             isinstance(layer, LinearAttentionCacheLayerMixin) == (kind == "linear_attention")
@@ -437,6 +439,7 @@ class DeltaModel(DeltaPreTrainedModel):
                 "The cache does not match this model's layer types; build it with `DynamicCache(config=model.config)` "
                 "or `StaticCache(config=model.config, max_cache_len=...)`, or let the model create it (`use_cache=True`)."
             )
+        use_delta_layers(cache)
 
     @merge_with_config_defaults
     @capture_outputs
@@ -455,7 +458,7 @@ class DeltaModel(DeltaPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
+            cache = DeltaCache(config=self.config)
         if cache is not None:
             self._check_cache(cache)
 
@@ -487,27 +490,15 @@ class DeltaModel(DeltaPreTrainedModel):
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        if cache is not None and all(cache.is_linear):
-            cache.layers[0].delta_seen_tokens = past_length + inputs_embeds.shape[1]
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache)
-
-
-def cached_length(cache: Cache | None) -> int:
-    """Tokens already in `cache`. Works for all-delta caches too, where `Cache.get_seq_length` raises."""
-    if cache is None:
-        return 0
-    if not all(cache.is_linear):
-        return cache.get_seq_length()
-    first = cache.layers[0]
-    return getattr(first, "delta_seen_tokens", 0) if first.has_previous_state[0] else 0
 
 
 class DeltaForCausalLM(DeltaPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
-    # prompts longer than this are prefilled in pieces of this many tokens when no gradient is needed (0: never);
-    # 4096 measured as fast as 8192 or faster (a smaller working set) with half the peak memory
+    # `generate` prefills prompts longer than this many new tokens through `prefill`, in pieces of this size (0:
+    # never); 4096 measured as fast as 8192 or faster (a smaller working set) with half the peak memory
     prefill_piece_size = 4096
 
     def __init__(self, config: DeltaConfig):
@@ -530,11 +521,6 @@ class DeltaForCausalLM(DeltaPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
-        if wants_pieces(self, input_ids, inputs_embeds, attention_mask, position_ids, labels, logits_to_keep, kwargs):
-            # long prompt, no gradient: run it `prefill_piece_size` tokens at a time (memory independent of length)
-            return prefill_in_pieces(
-                self, input_ids, inputs_embeds, attention_mask, position_ids, cache, use_cache, logits_to_keep, **kwargs
-            )
         outputs: BaseModelOutputWithPast = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -557,14 +543,104 @@ class DeltaForCausalLM(DeltaPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
         )
 
-    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, **kwargs):
-        # `generate` slices already-cached tokens off a continued prompt using `get_seq_length`, which an
-        # all-delta cache lacks; do the same slicing with our own count.
-        if next_sequence_length is None and cache is not None and all(cache.is_linear):
+    @torch.no_grad()
+    def prefill(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        *,
+        inputs_embeds: torch.FloatTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        piece_size: int = 4096,
+        logits_to_keep: int | torch.Tensor = 1,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:
+        """Run a prompt into `cache` `piece_size` tokens at a time: memory independent of the prompt's length.
+
+        Each piece continues from the cache the previous one filled, and only the hidden states of the positions
+        `logits_to_keep` selects are kept (an int keeps the last ones, 0 all of them; a 1D tensor the given
+        positions). For an all-delta model the peak memory then depends on `piece_size` alone (a hybrid's softmax
+        layers still grow their KV cache). Equal to one `forward` call with the same arguments, without
+        gradients: returns the logits and the filled cache (a new `DeltaCache` when `cache` is None).
+        `attention_mask` (2D) covers the cached tokens too, as in `generate`; `position_ids` [B, T] only the new ones.
+
+        On CPU, freed heap pages go back to the OS after every piece (`release_freed_memory`): without that the
+        process's resident size creeps up over hundreds of pieces although no tensor grows.
+        """
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        seq_len = tokens.shape[1]
+        cache = DeltaCache(config=self.config) if cache is None else cache
+        mask_offset = attention_mask.shape[1] - seq_len if attention_mask is not None else 0
+        kept = KeptHidden(logits_to_keep, seq_len, tokens.device)
+        for start in range(0, seq_len, piece_size):
+            end = min(start + piece_size, seq_len)
+            hidden = self.model(
+                input_ids=input_ids[:, start:end] if input_ids is not None else None,
+                inputs_embeds=inputs_embeds[:, start:end] if inputs_embeds is not None else None,
+                attention_mask=attention_mask[:, : mask_offset + end] if attention_mask is not None else None,
+                position_ids=position_ids[:, start:end] if position_ids is not None else None,
+                cache=cache,
+                use_cache=True,
+                **kwargs,
+            ).last_hidden_state  # [B, end - start, hidden]
+            kept.add(hidden, start)
+            del hidden
+            if tokens.device.type == "cpu":
+                release_freed_memory()
+        return CausalLMOutputWithPast(logits=self.lm_head(kept.result()), cache=cache)
+
+    def _uncached_start(self, input_ids, cache, attention_mask=None, position_ids=None) -> int:
+        """Index in `input_ids` of the first token `cache` lacks. `generate` may get the whole sequence so far (as
+        long as its mask and position ids, which cover the cached tokens too) or only the new tokens."""
+        past = cached_length(cache)
+        if not past or input_ids.shape[1] <= past:
+            return 0
+        whole = next((t.shape[-1] for t in (attention_mask, position_ids) if t is not None), input_ids.shape[1])
+        return past if input_ids.shape[1] == whole else 0
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        # `generate` builds a `DynamicCache`; ours counts the tokens of delta layers (`get_seq_length` works)
+        given = model_kwargs.get("cache")
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        built = model_kwargs.get("cache")
+        if given is None and type(built) is DynamicCache:
+            config = self.config.get_text_config(decoder=True)
+            model_kwargs["cache"] = DeltaCache(config=config, offloading=built.offloading)
+
+    def _prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration=True):
+        """`generate`'s prefill step. Of more than `prefill_piece_size` new prompt tokens, all but the last piece go
+        through `prefill` first (memory independent of the prompt's length); transformers' own step then runs the
+        last piece and gives the first logits. Left to transformers: an explicit `prefill_chunk_size`, prompts
+        given as embeddings, and calls asking for hidden states or attentions (they would cover the last piece only).
+        """
+        cache, piece = model_kwargs.get("cache"), self.prefill_piece_size
+        plain = not any(model_kwargs.get(key) is not None for key in ("inputs_embeds", "output_hidden_states",
+                                                                      "output_attentions"))
+        if piece and cache is not None and plain and generation_config.prefill_chunk_size is None:
+            mask, positions = model_kwargs.get("attention_mask"), model_kwargs.get("position_ids")
             past = cached_length(cache)
-            mask = kwargs.get("attention_mask")
-            if past and input_ids.shape[1] > past and (mask is None or mask.shape[1] == input_ids.shape[1]):
-                next_sequence_length = input_ids.shape[1] - past
+            new_ids = input_ids[:, self._uncached_start(input_ids, cache, mask, positions) :]
+            head = (new_ids.shape[1] - 1) // piece * piece
+            if head > 0:
+                end = past + head  # in positions of the whole sequence, cached tokens included
+                self.prefill(
+                    new_ids[:, :head],
+                    cache=cache,
+                    attention_mask=mask[:, :end] if mask is not None else None,
+                    position_ids=positions[..., past:end] if positions is not None else None,
+                    piece_size=piece,
+                )
+                input_ids = new_ids[:, head:]
+        return super()._prefill(input_ids, generation_config, model_kwargs, is_first_iteration)
+
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, **kwargs):
+        # `generate` slices already-cached tokens off a continued prompt using `get_seq_length`, which it does not
+        # call on an all-delta cache; do the same slicing with our own count.
+        if next_sequence_length is None and cache is not None and all(cache.is_linear):
+            start = self._uncached_start(input_ids, cache, kwargs.get("attention_mask"), kwargs.get("position_ids"))
+            if start:
+                next_sequence_length = input_ids.shape[1] - start
         return super().prepare_inputs_for_generation(
             input_ids, next_sequence_length=next_sequence_length, cache=cache, **kwargs
         )

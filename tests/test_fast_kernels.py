@@ -1,6 +1,6 @@
 """The fast kernels against the plain per-token reference: chunked forward and custom backward (every gate and
 every exact form of the decayed scores), bf16 accuracy, the in-place decode step, piecewise prefill of long
-prompts, and (only where CUDA and flash-linear-attention exist) parity of fla's kernels with ours."""
+prompts (`DeltaForCausalLM.prefill`, and `generate` through it), and (only where CUDA and flash-linear-attention exist) parity of fla's kernels with ours."""
 
 import functools
 
@@ -13,6 +13,7 @@ from delta_attention.modeling import delta_chunk, delta_fla
 from delta_attention.modeling.delta_rule import chunk_delta_rule, delta_rule_reference, recurrent_delta_rule
 
 from conftest import HYBRID_LAYERS, delta_rule_inputs, tiny_delta_model
+from recording import record_decoder_calls
 
 
 random_inputs = functools.partial(delta_rule_inputs, seq_len=70, heads=2)
@@ -166,22 +167,28 @@ def test_piecewise_prefill_matches_one_shot(layers):
     mask[1, :7] = 0  # left padding
     positions = torch.tensor([70, 5, 99, 33])
     with torch.no_grad():
-        model.prefill_piece_size = 0
         full, full_masked = model(ids), model(ids, attention_mask=mask)
-        model.prefill_piece_size = 16
-        pieces = model(ids)
-        last = model(ids, logits_to_keep=3)
-        chosen = model(ids, logits_to_keep=positions)
-        masked = model(ids, attention_mask=mask)
+        pieces = model.prefill(ids, piece_size=16, logits_to_keep=0)
+        last = model.prefill(ids, piece_size=16, logits_to_keep=3)
+        chosen = model.prefill(ids, piece_size=16, logits_to_keep=positions)
+        masked = model.prefill(ids, attention_mask=mask, piece_size=16, logits_to_keep=0)
         token = torch.randint(3, 97, (2, 1))
-        after_pieces = model(token, cache=model(ids, logits_to_keep=1).cache).logits
-        model.prefill_piece_size = 0
+        after_pieces = model(token, cache=model.prefill(ids, piece_size=16).cache).logits
         after_one_shot = model(token, cache=model(ids).cache).logits
     assert (pieces.logits - full.logits).abs().max() <= 1e-5
     assert last.logits.shape == (2, 3, 97) and (last.logits - full.logits[:, -3:]).abs().max() <= 1e-5
     assert (chosen.logits - full.logits[:, positions]).abs().max() <= 1e-5
     assert (masked.logits - full_masked.logits)[:, 7:].abs().max() <= 1e-5
     assert (after_pieces - after_one_shot).abs().max() <= 1e-5
+
+
+def test_forward_does_not_split_long_prompts():
+    """`forward` is one call of the decoder however long the input; pieces are `prefill`'s job."""
+    model = tiny_delta_model()
+    seen = record_decoder_calls(model)
+    with torch.no_grad():
+        model(torch.randint(3, 97, (1, model.prefill_piece_size + 1)), logits_to_keep=1)
+    assert seen == [model.prefill_piece_size + 1]
 
 
 class LargestTensor(TorchDispatchMode):
@@ -201,20 +208,12 @@ class LargestTensor(TorchDispatchMode):
 
 def test_long_prompt_temporaries_do_not_grow_with_length():
     model = tiny_delta_model(layer_types=["linear_attention"] * 2, num_hidden_layers=2)
-    model.prefill_piece_size = 64
-    seen = []
-    decoder_forward = model.model.forward
-
-    def recording_forward(*args, **kwargs):
-        seen.append(kwargs["input_ids"].shape[1])
-        return decoder_forward(*args, **kwargs)
-
-    model.model.forward = recording_forward
+    seen = record_decoder_calls(model)
     largest = {}
     for length in (256, 1024):
         ids = torch.randint(3, 97, (1, length))
         with torch.no_grad(), LargestTensor() as tracker:
-            out = model(ids, logits_to_keep=1)
+            out = model.prefill(ids, piece_size=64, logits_to_keep=1)
         largest[length] = tracker.largest
         assert out.logits.shape == (1, 1, 97)
     assert max(seen) == 64  # every call of the decoder saw one piece

@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 
 from conftest import HYBRID_LAYERS, tiny_delta_model
+from recording import record_decoder_calls
 
 LAYOUTS = {"all_delta": ["linear_attention"] * 3, "hybrid": HYBRID_LAYERS}
 
@@ -100,3 +101,44 @@ def test_generate_with_an_explicit_dynamic_cache():
     out = model.generate(input_ids, cache=cache, max_new_tokens=4, do_sample=False)
     assert torch.equal(out, model.generate(input_ids, max_new_tokens=4, do_sample=False))
     assert cache.layers[0].recurrent_states[0].shape == (1, 4, 16, 16)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_long_prompts_are_prefilled_in_pieces(layout, cache_implementation):
+    model = build(layout)
+    input_ids = prompt(batch=2, length=70, seed=8)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :9] = 0  # left padding
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=6, do_sample=False,
+                  cache_implementation=cache_implementation)
+    model.prefill_piece_size = 0
+    one_shot = model.generate(input_ids, **kwargs)
+    model.prefill_piece_size = 16
+    seen = record_decoder_calls(model)
+    pieces = model.generate(input_ids, **kwargs)
+    assert torch.equal(pieces, one_shot)
+    assert seen[:5] == [16, 16, 16, 16, 6] and max(seen) == 16  # 64 tokens through `prefill`, then the usual step
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_continuing_a_cache_with_a_long_addition_in_pieces(layout):
+    model = build(layout)
+    first = model.generate(prompt(seed=9), max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    # 12 tokens so far, of which the cache holds 11 (the last generated one has not been through the model)
+    longer = torch.cat([first.sequences, prompt(length=40, seed=10)], dim=1)
+    model.prefill_piece_size = 0
+    straight = model.generate(longer, max_new_tokens=5, do_sample=False)
+    model.prefill_piece_size = 16
+    seen = record_decoder_calls(model)
+    continued = model.generate(longer, cache=first.cache, max_new_tokens=5, do_sample=False)
+    assert torch.equal(continued, straight)
+    assert seen[:3] == [16, 16, 9]  # only the 41 new tokens: two pieces, then the last 9 as usual
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_generate_returns_a_cache_that_knows_its_length(layout):
+    model = build(layout)
+    out = model.generate(prompt(seed=11), max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    # the last generated token has not been through the model yet
+    assert out.cache.get_seq_length() == out.sequences.shape[1] - 1
