@@ -1,10 +1,12 @@
 """Saving writes safetensors, the model code and a complete auto_map; a fresh process without the package loads it."""
 
+import ast
 import json
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,36 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 import delta_attention  # noqa: F401  (registers the Auto classes)
 from conftest import HYBRID_LAYERS, tiny_delta_model
 from isolated import load_isolated
+
+MODELING = Path(delta_attention.modeling.__file__).parent
+
+
+def relative_imports(path: Path) -> set[str]:
+    """Files a module imports in the one form the Hub copies (`from .name import X`); refuses the other forms."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            assert node.level == 1 and node.module, f"{path.name}: only `from .module import X` ships with checkpoints"
+            names.add(node.module + ".py")
+    return names
+
+
+def reachable_code(start: str) -> set[str]:
+    """`start` and every file reachable from it through relative imports, in the modeling folder."""
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(relative_imports(MODELING / name))
+    return seen
+
+
+def test_the_model_code_imports_only_its_own_folder_in_the_shipped_form():
+    shipped = reachable_code("modeling_delta.py")
+    assert {"configuration_delta.py", "delta_rule.py", "delta_reference.py", "delta_cache.py"} <= shipped
+    # every file of the folder except the package's own `__init__.py` ships (nothing there is dead code)
+    assert shipped == {path.name for path in MODELING.glob("*.py")} - {"__init__.py"}
 
 
 @pytest.mark.parametrize("gate", ["scalar", "channel"])
@@ -23,6 +55,8 @@ def test_save_then_load_in_a_fresh_process_without_the_package(tmp_path, gate):
 
     files = set(os.listdir(folder))
     assert {"config.json", "model.safetensors", "modeling_delta.py", "configuration_delta.py", "delta_rule.py"} <= files
+    # exactly the code the model imports
+    assert {name for name in files if name.endswith(".py")} == reachable_code("modeling_delta.py")
     assert not any(name.endswith((".bin", ".pt", ".pth")) for name in files)
     auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
     assert auto_map == {
