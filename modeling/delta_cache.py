@@ -8,7 +8,7 @@ works when every layer is a delta layer (`DynamicCache` raises there: it looks f
 
 transformers builds plain `LinearAttentionLayer`s for `layer_types == "linear_attention"`, in
 `DynamicCache(config=...)`, `StaticCache` and `generate`; `use_delta_layers` swaps them for counting ones, which
-the model does to any cache it is given (see docs/design.md, pitfalls handled).
+the model does to any cache it is given (see docs/design.md, "Pitfalls handled").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Fast chunkwise delta rule for CPUs: batched matmuls over (batch, head, chunk) and a chunked backward.
 
-The maths is the WY / UT form of docs/design.md, chunked form. Per chunk of C tokens, with `G` the chunk-local
+The maths is the WY / UT form of docs/design.md, "Chunked form". Per chunk of C tokens, with `G` the chunk-local
 cumulative log-decay (per head or per key channel), `S` the state entering the chunk and `b` the betas:
 
     M  = tril(Q K^T . Gamma)                          (decayed causal scores, Gamma = exp(G_t - G_i))

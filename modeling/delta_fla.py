@@ -1,8 +1,9 @@
 """Optional dispatch to flash-linear-attention's Triton kernels on CUDA (`pip install delta-attention[gpu]`).
 
 Everything here is optional: without `fla` (or without CUDA) `fla_available` is False and the pure PyTorch
-kernels of `delta_chunk.py` and `delta_rule.py` run. The entry points take and return exactly what ours do: q, k [B, T, H, K],
-v [B, T, H, V], beta [B, T, H], g None | [B, T, H] | [B, T, H, K] (log-decay), state [B, H, K, V] float32.
+kernels (`delta_chunk.py`, `delta_rule.py`) run. The entry points take and return exactly what ours do:
+q, k [B, T, H, K], v [B, T, H, V], beta [B, T, H], g None | [B, T, H] | [B, T, H, K] (log-decay),
+state [B, H, K, V] float32.
 fla's chunk kernels want 16-bit q/k/v, so float32 inputs are run in bfloat16 and the output cast back;
 the state stays float32 in the [K, V] layout (fla's `state_v_first=False`, passed explicitly where the installed
 version knows that argument, since some versions store it [V, K]).

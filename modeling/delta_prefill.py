@@ -1,4 +1,4 @@
-"""Helpers of `DeltaForCausalLM.prefill`, the explicit path for long prompts (see docs/design.md, long prompts).
+"""Helpers of `DeltaForCausalLM.prefill`, the explicit path for long prompts (docs/design.md, "Long prompts in pieces").
 
 A delta layer carries its whole past in a fixed-size state, so a prompt can run through the model a piece at a
 time, each piece continuing from the cache the previous one filled. Only the hidden states whose logits are

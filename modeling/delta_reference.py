@@ -19,7 +19,7 @@ State and accumulation are float32 whatever the input dtype.
 
 `delta_rule_reference` is the definition everything else is tested against (slow). `chunk_delta_rule_elementwise`
 is the chunked form written plainly: a second reference, and the exact path `delta_rule.chunk_delta_rule` takes
-for per-channel decays too steep for the fast kernel of `delta_chunk.py` (docs/design.md, chunked form).
+for per-channel decays too steep for the fast kernel of `delta_chunk.py` (docs/design.md, "Chunked form").
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The fast kernels against the plain per-token reference: chunked forward and custom backward (every gate and
 every exact form of the decayed scores), bf16 accuracy, the in-place decode step, piecewise prefill of long
-prompts (`DeltaForCausalLM.prefill`, and `generate` through it), and (only where CUDA and flash-linear-attention exist) parity of fla's kernels with ours."""
+prompts (`DeltaForCausalLM.prefill`), and (only where CUDA and flash-linear-attention exist) parity of fla's kernels
+with ours."""
 
 import functools
 
