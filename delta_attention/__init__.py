@@ -1,11 +1,13 @@
 """delta-attention: delta-rule linear attention for Hugging Face Transformers.
 
 Importing the package registers `DeltaConfig`, `DeltaModel` and `DeltaForCausalLM` with the Auto classes.
+`DeltaCache` is the cache those models create (a `DynamicCache` whose delta layers count their tokens).
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .modeling import (
+    DeltaCache,
     DeltaConfig,
     DeltaForCausalLM,
     DeltaModel,
@@ -22,6 +24,7 @@ AutoModel.register(DeltaConfig, DeltaModel, exist_ok=True)
 AutoModelForCausalLM.register(DeltaConfig, DeltaForCausalLM, exist_ok=True)
 
 __all__ = [
+    "DeltaCache",
     "DeltaConfig",
     "DeltaForCausalLM",
     "DeltaModel",
