@@ -142,3 +142,14 @@ def test_generate_returns_a_cache_that_knows_its_length(layout):
     out = model.generate(prompt(seed=11), max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
     # the last generated token has not been through the model yet
     assert out.cache.get_seq_length() == out.sequences.shape[1] - 1
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_transformers_chunked_prefill_works_on_delta_caches(layout):
+    # an explicit `prefill_chunk_size` is transformers' own path, which asks the cache for `get_seq_length()`
+    model = build(layout)
+    input_ids = prompt(batch=2, length=70, seed=8)
+    model.prefill_piece_size = 0
+    one_shot = model.generate(input_ids, max_new_tokens=5, do_sample=False)
+    chunked = model.generate(input_ids, max_new_tokens=5, do_sample=False, prefill_chunk_size=16)
+    assert torch.equal(chunked, one_shot)
