@@ -1,22 +1,28 @@
-"""Converting, distilling, fine-tuning and publishing delta-attention models."""
+"""Converting, distilling, fine-tuning, evaluating and publishing delta-attention models.
+
+One sub-package per job: `converter/` (convert a checkpoint), `data/` (assets, text and chat data),
+`training/` (the loop, distill, finetune), `evaluation/` (measures and the report), `publishing/` (cards,
+push). The modules at this level serve them all: `output_folder` (where a command may write), `saving`
+(atomic folder saves), `loading` (a model for a job), `memory` (cache and state bytes), `precision`.
+"""
 
 import importlib
 
-# `convert` is both a submodule and the function; import it now so the package attribute is the function
-from .convert import ConversionResult, ConversionSettings, convert, convert_model, save_converted  # noqa: E402
+from .converter.pipeline import ConversionResult, ConversionSettings, convert, convert_model, save_converted
 
 # public names -> defining module, imported on first use (keeps `import delta_attention.conversion.x` light)
 _EXPORTS = {
-    "load_source": "sources",
-    "SUPPORTED_MODEL_TYPES": "sources",
-    "fetch_assets": "assets",
-    "smollm2_gguf_path": "assets",
-    "train_texts": "assets",
-    "heldout_texts": "assets",
-    "token_windows": "text_windows",
-    "perplexity": "text_windows",
-    "collect_teacher_activations": "attention_transfer",
-    "fit_layer": "attention_transfer",
+    "load_source": "converter.sources",
+    "SUPPORTED_MODEL_TYPES": "converter.sources",
+    "fetch_assets": "data.assets",
+    "smollm2_gguf_path": "data.assets",
+    "train_texts": "data.assets",
+    "heldout_texts": "data.assets",
+    "token_windows": "data.windows",
+    "perplexity": "evaluation.perplexity",
+    "collect_teacher_activations": "converter.attention_transfer",
+    "fit_layer": "converter.attention_transfer",
+    "load_model": "loading",
 }
 
 

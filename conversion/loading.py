@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch
 
-from .sources import _first_line, looks_like_hub_id
+from delta_attention.modeling.configuration_delta import delta_layer_indices
+
+from .converter.sources import _first_line, looks_like_hub_id
 
 
 def check_model_spec(spec, what: str = "model") -> None:
@@ -46,7 +48,7 @@ def load_model(spec, *, dtype: torch.dtype = torch.float32, require_delta: bool 
     check_model_spec(spec, what)
     text = os.fspath(spec)
     if text.lower().endswith(".gguf"):
-        from .sources import load_source
+        from .converter.sources import load_source
 
         source = load_source(text, dtype=dtype, with_tokenizer=tokenizer)
         return source.model.eval(), source.tokenizer
@@ -64,7 +66,7 @@ def load_model(spec, *, dtype: torch.dtype = torch.float32, require_delta: bool 
         if getattr(model.config, "model_type", None) != "delta":
             raise ValueError(f"{what} {text} holds a {model.config.model_type!r} model; a converted delta-attention "
                              "model is needed (run `delta-attention convert` first)")
-        if "linear_attention" not in model.config.layer_types:
+        if not delta_layer_indices(model.config.layer_types):
             raise ValueError(f"{what} {text} has no delta layers (every layer is softmax attention)")
     loaded_tokenizer = None
     if tokenizer:

@@ -1,10 +1,13 @@
-"""Parameter counts and inference-memory figures: KV bytes per token versus the fixed delta state."""
+"""Parameter counts and inference memory: KV bytes per token versus the fixed delta state (from a config), and the
+bytes a live cache holds (`cache_bytes`)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import torch
+
+from delta_attention.modeling.configuration_delta import delta_layer_indices
 
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.float64: 8}
 
@@ -57,7 +60,7 @@ def cache_figures(config, layer_types: list[str], dtype=torch.float32) -> CacheF
     per_layer_kv = 2 * kv_heads * head_dim * width
     full = sum(t == "full_attention" for t in layer_types)
     sliding = sum(t == "sliding_attention" for t in layer_types)
-    delta = sum(t == "linear_attention" for t in layer_types)
+    delta = len(delta_layer_indices(layer_types))
     state = 0
     if delta:
         d_heads = getattr(config, "linear_num_heads", None) or heads
@@ -133,5 +136,20 @@ def memory_report(source_config, delta_config, source_types, dtype, source_param
     )
 
 
-__all__ = ["CacheFigures", "MemoryReport", "cache_figures", "count_from_config", "count_parameters",
+def cache_bytes(cache) -> int:
+    """Bytes held by a transformers cache: KV tensors of softmax layers, conv and recurrent states of delta layers
+    (linear-attention cache layers keep those in dicts)."""
+    total = 0
+    for layer in cache.layers:
+        for name in ("keys", "values", "conv_states", "recurrent_states"):
+            value = getattr(layer, name, None)
+            if isinstance(value, dict):
+                value = list(value.values())
+            for tensor in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(tensor, torch.Tensor):
+                    total += tensor.numel() * tensor.element_size()
+    return total
+
+
+__all__ = ["CacheFigures", "MemoryReport", "cache_bytes", "cache_figures", "count_from_config", "count_parameters",
            "human_bytes", "memory_report"]

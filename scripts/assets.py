@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from delta_attention.conversion.assets import cache_dir, documents, fetch_assets
+from delta_attention.conversion.data.assets import cache_dir, documents, fetch_assets
 
 
 @dataclasses.dataclass

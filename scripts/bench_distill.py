@@ -68,13 +68,13 @@ def teacher_finetune_speed(teacher, blocks: torch.Tensor, steps: int) -> float:
 
 
 def run(options: BenchDistillOptions) -> int:
-    from delta_attention.conversion.assets import smollm2_gguf_path
-    from delta_attention.conversion.convert import ConversionSettings, convert
-    from delta_attention.conversion.distill_pipeline import DistillOptions, run_distill
-    from delta_attention.conversion.metrics import read_metrics
-    from delta_attention.conversion.sources import load_source
-    from delta_attention.conversion.text_data import DataOptions, training_blocks
-    from delta_attention.conversion.training import TrainingOptions
+    from delta_attention.conversion.data.assets import smollm2_gguf_path
+    from delta_attention.conversion.converter.pipeline import ConversionSettings, convert
+    from delta_attention.conversion.training.distill import DistillOptions, run_distill
+    from delta_attention.conversion.training.metrics import read_metrics
+    from delta_attention.conversion.converter.sources import load_source
+    from delta_attention.conversion.data.text import DataOptions, training_blocks
+    from delta_attention.conversion.training.loop import TrainingOptions
 
     out = Path(options.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -40,8 +40,8 @@ def matmul_peak(dtype: torch.dtype, sizes=(1024, 2048)) -> float:
 
 
 def chunk_flops(batch: int, seq_len: int, heads: int, key_dim: int, value_dim: int, chunk: int = 64) -> float:
-    """Nominal FLOPs of one chunked delta-rule forward (the algorithm of DESIGN.md 3.3, counted the same for every
-    implementation): per chunk Q K^T and K K^T (2 C^2 K each), the triangular solve for [U | W] (C^2 (K + V)),
+    """Nominal FLOPs of one chunked delta-rule forward (the algorithm of docs/design.md, 2. Kernels, Chunked form,
+    counted the same for every implementation): per chunk Q K^T and K K^T (2 C^2 K each), the triangular solve for [U | W] (C^2 (K + V)),
     W S, Q S and the state update (2 C K V each), and the intra-chunk attention times V' (2 C^2 V)."""
     per_chunk = 4 * chunk**2 * key_dim + chunk**2 * (key_dim + value_dim) + 6 * chunk * key_dim * value_dim
     per_chunk += 2 * chunk**2 * value_dim

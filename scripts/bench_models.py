@@ -15,6 +15,9 @@ import time
 
 import torch
 
+from delta_attention.conversion.memory import cache_bytes
+from delta_attention.modeling.configuration_delta import DELTA_LAYER, FULL_ATTENTION_LAYER
+
 from .bench_kernels import timed
 
 
@@ -36,27 +39,13 @@ def build_models(dtype: torch.dtype, shape: dict | None = None, which=("delta", 
     models = {}
     torch.manual_seed(0)
     if "delta" in which:
-        models["delta"] = DeltaForCausalLM(DeltaConfig(**shape, layer_types=["linear_attention"] * layers))
+        models["delta"] = DeltaForCausalLM(DeltaConfig(**shape, layer_types=[DELTA_LAYER] * layers))
     if "hybrid" in which:
-        kinds = ["full_attention" if i % 4 == 0 else "linear_attention" for i in range(layers)]
+        kinds = [FULL_ATTENTION_LAYER if i % 4 == 0 else DELTA_LAYER for i in range(layers)]
         models["hybrid"] = DeltaForCausalLM(DeltaConfig(**shape, layer_types=kinds))
     if "llama" in which:
         models["llama"] = LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="sdpa"))
     return {name: model.to(dtype).eval() for name, model in models.items()}
-
-
-def cache_bytes(cache) -> int:
-    """Bytes held by a cache's tensors (keys/values, conv and recurrent states)."""
-    total = 0
-    for layer in cache.layers:
-        for name in ("keys", "values", "conv_states", "recurrent_states"):
-            value = getattr(layer, name, None)
-            if isinstance(value, dict):  # linear-attention layers keep {state index: tensor}
-                value = list(value.values())
-            for tensor in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(tensor, torch.Tensor):
-                    total += tensor.numel() * tensor.element_size()
-    return total
 
 
 def synthesized_cache(model, context: int, static_steps: int | None = None):

@@ -57,10 +57,11 @@ def run(options: Options) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import delta_attention  # noqa: F401  (registers the Auto classes)
-    from delta_attention.conversion.assets import heldout_texts
-    from delta_attention.conversion.convert import SOURCE_ATTRIBUTE
-    from delta_attention.conversion.sources import load_source
-    from delta_attention.conversion.text_windows import perplexity, token_windows
+    from delta_attention.conversion.data.assets import heldout_texts
+    from delta_attention.conversion.converter.sources import SOURCE_ATTRIBUTE
+    from delta_attention.conversion.converter.sources import load_source
+    from delta_attention.conversion.data.windows import token_windows
+    from delta_attention.conversion.evaluation.perplexity import perplexity
 
     if not options.converted:
         raise ValueError("give the converted model folder")

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import sys
 
-from delta_attention.conversion.distill_pipeline import DistillOptions, run_distill
-from delta_attention.conversion.text_data import DataOptions
+from delta_attention.conversion.data.text import DataOptions
 from delta_attention.conversion.training import TrainingOptions
+from delta_attention.conversion.training.distill import DistillOptions, run_distill
+from delta_attention.conversion.training.lora import LoraOptions
 
-Options = (DistillOptions, DataOptions, TrainingOptions)
+Options = (DistillOptions, LoraOptions, DataOptions, TrainingOptions)
 
 
-def run(options: DistillOptions, data: DataOptions, training: TrainingOptions) -> int:
-    run_distill(options, data, training)
+def run(options: DistillOptions, lora: LoraOptions, data: DataOptions, training: TrainingOptions) -> int:
+    run_distill(options, data, training, lora)
     return 0
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from delta_attention.conversion.evaluate_report import EvaluateOptions, markdown_report, run_evaluate
+from delta_attention.conversion.evaluation.report import EvaluateOptions, markdown_report, run_evaluate
 
 Options = EvaluateOptions
 

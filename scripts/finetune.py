@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import sys
 
-from delta_attention.conversion.finetune import FinetuneOptions, run_finetune
-from delta_attention.conversion.text_data import DataOptions
+from delta_attention.conversion.data.text import DataOptions
 from delta_attention.conversion.training import TrainingOptions
+from delta_attention.conversion.training.finetune import FinetuneOptions, run_finetune
+from delta_attention.conversion.training.lora import LoraOptions
 
-Options = (FinetuneOptions, DataOptions, TrainingOptions)
+Options = (FinetuneOptions, LoraOptions, DataOptions, TrainingOptions)
 
 
-def run(options: FinetuneOptions, data: DataOptions, training: TrainingOptions) -> int:
-    summary = run_finetune(options, data, training)
+def run(options: FinetuneOptions, lora: LoraOptions, data: DataOptions, training: TrainingOptions) -> int:
+    summary = run_finetune(options, data, training, lora)
     print(f"fine-tuned {summary['tokens']:,} tokens, final loss {summary['final_loss']:.4f}; "
           f"adapter in {options.output_dir}/adapter")
     return 0

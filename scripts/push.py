@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from delta_attention.conversion.hub import PushOptions, push
+from delta_attention.conversion.publishing.hub import PushOptions, push
 
 Options = PushOptions
 

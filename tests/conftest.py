@@ -97,6 +97,6 @@ def make_model():
 @pytest.fixture(scope="session")
 def smollm2_gguf():
     """Path of the real SmolLM2-135M-Instruct GGUF; fails (never skips) with the fix when it is missing."""
-    from delta_attention.conversion.assets import smollm2_gguf_path
+    from delta_attention.conversion.data.assets import smollm2_gguf_path
 
     return smollm2_gguf_path()

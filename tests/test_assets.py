@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from delta_attention.conversion import assets
+from delta_attention.conversion.data import assets
 
 
 def test_the_real_assets_are_present(smollm2_gguf):

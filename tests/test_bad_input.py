@@ -116,10 +116,10 @@ def test_convert_overwrite_refuses_a_folder_it_did_not_write(pair, tmp_path, cap
 
 
 def test_finetune_overwrite_replaces_the_run_only_when_the_new_one_is_complete(pair, tmp_path, monkeypatch):
-    from delta_attention.conversion import finetune as finetune_module
-    from delta_attention.conversion.finetune import FinetuneOptions, run_finetune
-    from delta_attention.conversion.text_data import DataOptions
-    from delta_attention.conversion.training import TrainingOptions
+    from delta_attention.conversion.training import finetune as finetune_module
+    from delta_attention.conversion.training.finetune import FinetuneOptions, run_finetune
+    from delta_attention.conversion.data.text import DataOptions
+    from delta_attention.conversion.training.loop import TrainingOptions
 
     out = tmp_path / "run"
     before = a_previous_run(out)
@@ -236,9 +236,9 @@ def test_a_teacher_that_is_not_the_source_is_refused(pair, tmp_path, capsys):
 
 
 def test_the_same_seed_gives_the_same_lora_run(pair, tmp_path):
-    from delta_attention.conversion.finetune import FinetuneOptions, run_finetune
-    from delta_attention.conversion.text_data import DataOptions
-    from delta_attention.conversion.training import TrainingOptions
+    from delta_attention.conversion.training.finetune import FinetuneOptions, run_finetune
+    from delta_attention.conversion.data.text import DataOptions
+    from delta_attention.conversion.training.loop import TrainingOptions
 
     adapters = []
     for name in ("a", "b"):

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from conftest import tiny_tokenizer
-from delta_attention.conversion.chat_data import IGNORE_INDEX, chat_rows
-from delta_attention.conversion.text_data import load_texts
+from delta_attention.conversion.data.chat import IGNORE_INDEX, chat_rows
+from delta_attention.conversion.data.text import load_texts
 
 
 def good(seed=0):

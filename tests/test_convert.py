@@ -25,9 +25,11 @@ import delta_attention  # noqa: F401  (registers the Auto classes)
 from conftest import tiny_tokenizer
 from isolated import load_isolated
 from delta_attention.conversion import ConversionSettings, convert, convert_model
-from delta_attention.conversion.convert import SOURCE_ATTRIBUTE, build_delta_model
-from delta_attention.conversion.init import GATE_BIAS, repeat_kv_rows
-from delta_attention.conversion.layer_plan import choose_auto, make_plan, parse_keep, uniform_layers
+from delta_attention.conversion.converter.pipeline import build_delta_model
+from delta_attention.conversion.converter.sources import SOURCE_ATTRIBUTE
+from delta_attention.conversion.converter.init_recipes import GATE_BIAS
+from delta_attention.conversion.converter.weight_mapping import repeat_kv_rows
+from delta_attention.conversion.converter.layer_plan import choose_auto, make_plan, parse_keep, uniform_layers
 from delta_attention.scripts.cli import main as cli_main
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -179,7 +181,7 @@ def test_auto_ranking_on_a_tiny_model():
 
 
 def test_teacher_activations_stop_after_the_last_asked_layer():
-    from delta_attention.conversion.attention_transfer import collect_teacher_activations
+    from delta_attention.conversion.converter.attention_transfer import collect_teacher_activations
 
     source = tiny_source("llama")
     ids = input_ids(length=24)
@@ -281,7 +283,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
 def test_an_interrupted_save_leaves_no_folder(tmp_path, monkeypatch):
     source_dir = saved_source(tmp_path, "llama")
     out = tmp_path / "interrupted"
-    from delta_attention.conversion import card
+    from delta_attention.conversion.publishing import cards as card
 
     def boom(*args, **kwargs):
         raise KeyboardInterrupt

@@ -14,10 +14,11 @@ from transformers import AutoModelForCausalLM
 
 import delta_attention  # noqa: F401  (registers the Auto classes)
 from delta_attention.conversion import ConversionSettings, convert, convert_model
-from delta_attention.conversion.assets import heldout_texts, train_texts
-from delta_attention.conversion.convert import plan_layers
-from delta_attention.conversion.sources import load_source
-from delta_attention.conversion.text_windows import perplexity, token_windows
+from delta_attention.conversion.data.assets import heldout_texts, train_texts
+from delta_attention.conversion.converter.pipeline import plan_layers
+from delta_attention.conversion.converter.sources import load_source
+from delta_attention.conversion.data.windows import token_windows
+from delta_attention.conversion.evaluation.perplexity import perplexity
 
 pytestmark = pytest.mark.slow
 

@@ -10,13 +10,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-import delta_attention.conversion.distill_pipeline as pipeline
+import delta_attention.conversion.training.distill as pipeline
 from conftest import tiny_tokenizer
-from delta_attention.conversion.convert import ConversionSettings, convert
-from delta_attention.conversion.distill_pipeline import DistillOptions, run_distill
-from delta_attention.conversion.metrics import read_metrics
-from delta_attention.conversion.text_data import DataOptions
-from delta_attention.conversion.training import NonFiniteLossError, TrainingOptions
+from delta_attention.conversion.converter.pipeline import ConversionSettings, convert
+from delta_attention.conversion.training.distill import DistillOptions, run_distill
+from delta_attention.conversion.training.metrics import read_metrics
+from delta_attention.conversion.data.text import DataOptions
+from delta_attention.conversion.training.lora import LoraOptions
+from delta_attention.conversion.training.loop import NonFiniteLossError, TrainingOptions
 
 
 def words(n, seed):
@@ -61,19 +62,20 @@ def folders(tmp_path_factory):
 def options(folders, out, **overrides):
     distill = DistillOptions(student=str(folders / "student"), output_dir=str(out), eval_dataset=str(folders / "eval.txt"),
                              eval_tokens=1024, stage1_tokens=30 * 8 * 32, stage2_tokens=30 * 8 * 32, stage1_lr=1e-2,
-                             stage2_lr=3e-3, lora_r=4)
+                             stage2_lr=3e-3)
+    lora = LoraOptions(lora_r=4)
     data = DataOptions(dataset=str(folders / "train.txt"), seq_len=32)
     training = TrainingOptions(batch_size=8, mixed_precision="no", checkpoint_every_tokens=10 * 8 * 32)
     for key, value in overrides.items():
-        for target in (distill, data, training):
+        for target in (distill, data, training, lora):
             if hasattr(target, key):
                 setattr(target, key, value)
-    return distill, data, training
+    return distill, data, training, lora
 
 
 def heldout_kl(folders, student_folder) -> float:
     """Mean KL(teacher || student) per token on the evaluation text."""
-    from delta_attention.conversion.distill import distillation_kl
+    from delta_attention.conversion.training.objectives import distillation_kl
 
     ids = torch.tensor(tiny_tokenizer()(words(2048, 3))["input_ids"][: 32 * 32]).view(32, 32)
     teacher = AutoModelForCausalLM.from_pretrained(folders / "teacher").eval()

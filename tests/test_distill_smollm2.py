@@ -6,10 +6,11 @@ import json
 import pytest
 import torch
 
-from delta_attention.conversion.convert import ConversionSettings, convert
-from delta_attention.conversion.distill_pipeline import DistillOptions, run_distill
-from delta_attention.conversion.text_data import DataOptions
-from delta_attention.conversion.training import TrainingOptions
+from delta_attention.conversion.converter.pipeline import ConversionSettings, convert
+from delta_attention.conversion.training.distill import DistillOptions, run_distill
+from delta_attention.conversion.training.lora import LoraOptions
+from delta_attention.conversion.data.text import DataOptions
+from delta_attention.conversion.training.loop import TrainingOptions
 from isolated import load_isolated
 
 
@@ -24,10 +25,10 @@ def converted(smollm2_gguf, tmp_path_factory):
 
 def test_a_few_steps_of_each_stage_lower_heldout_perplexity(converted, smollm2_gguf, tmp_path):
     distill = DistillOptions(student=str(converted), output_dir=str(tmp_path / "run"), stage1_tokens=4 * 2 * 128,
-                             stage2_tokens=3 * 2 * 128, stage1_lr=1e-2, stage2_lr=3e-4, lora_r=8,
+                             stage2_tokens=3 * 2 * 128, stage1_lr=1e-2, stage2_lr=3e-4,
                              eval_tokens=2 * 256, eval_seq_len=256)
     results = run_distill(distill, DataOptions(dataset="builtin:train", seq_len=128),
-                          TrainingOptions(batch_size=2, mixed_precision="bf16"))
+                          TrainingOptions(batch_size=2, mixed_precision="bf16"), LoraOptions(lora_r=8))
     print(json.dumps({k: v for k, v in results.items() if k != "recipe"}, indent=1))
     assert results["teacher_ppl"] < results["converted_ppl"]
     assert results["stage1"]["heldout_ppl"] < results["converted_ppl"]

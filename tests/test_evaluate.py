@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import HYBRID_LAYERS, tiny_delta_model, tiny_tokenizer
-from delta_attention.conversion.evaluate_report import EvaluateOptions, run_evaluate
-from delta_attention.conversion.evaluation import cache_bytes, passkey_prompt, sliding_nll
+from delta_attention.conversion.evaluation.report import EvaluateOptions, run_evaluate
+from delta_attention.conversion.evaluation.perplexity import sliding_nll
+from delta_attention.conversion.evaluation.tasks import passkey_prompt
+from delta_attention.conversion.memory import cache_bytes
 
 TEXT = " ".join(f"w{(i * 13) % 90}" for i in range(60))
 

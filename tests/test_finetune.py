@@ -8,11 +8,12 @@ from peft import AutoPeftModelForCausalLM, PeftModel
 from transformers import AutoModelForCausalLM
 
 from conftest import HYBRID_LAYERS, tiny_delta_model, tiny_tokenizer
-from delta_attention.conversion.chat_data import IGNORE_INDEX, conversation_tokens
-from delta_attention.conversion.finetune import FinetuneOptions, run_finetune
-from delta_attention.conversion.metrics import read_metrics
-from delta_attention.conversion.text_data import DataOptions
-from delta_attention.conversion.training import TrainingOptions
+from delta_attention.conversion.data.chat import IGNORE_INDEX, conversation_tokens
+from delta_attention.conversion.training.finetune import FinetuneOptions, run_finetune
+from delta_attention.conversion.training.metrics import read_metrics
+from delta_attention.conversion.data.text import DataOptions
+from delta_attention.conversion.training.lora import LoraOptions
+from delta_attention.conversion.training.loop import TrainingOptions
 
 
 def conversation(seed):
@@ -47,9 +48,10 @@ def test_lora_finetune_lowers_the_loss_and_the_adapter_reloads_both_ways(tmp_pat
     data_file = tmp_path / "chat.jsonl"
     data_file.write_text("".join(json.dumps({"messages": conversation(i)}) + "\n" for i in range(40)))
     options = FinetuneOptions(model=str(base_folder), output_dir=str(tmp_path / "run"), max_tokens=60 * 8 * 24,
-                              learning_rate=3e-3, lora_r=8, lora_dropout=0.0, merge=True)
+                              learning_rate=3e-3, merge=True)
     data = DataOptions(dataset=str(data_file), seq_len=24)
-    summary = run_finetune(options, data, TrainingOptions(batch_size=8, mixed_precision="no"))
+    summary = run_finetune(options, data, TrainingOptions(batch_size=8, mixed_precision="no"),
+                           LoraOptions(lora_r=8, lora_dropout=0.0))
     losses = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")]
     assert summary["steps"] == 60 and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
 

@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import HYBRID_LAYERS, tiny_delta_model
-from delta_attention.conversion.evaluation import cache_bytes
+from delta_attention.conversion.memory import cache_bytes
 
 ALL_DELTA = ["linear_attention"] * 3
 LAYOUTS = {"all_delta": ALL_DELTA, "hybrid": HYBRID_LAYERS}

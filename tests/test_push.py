@@ -12,8 +12,8 @@ from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.errors import OfflineModeIsEnabled
 
 from conftest import HYBRID_LAYERS, tiny_delta_model, tiny_tokenizer
-from delta_attention.conversion import hub as hub_module
-from delta_attention.conversion.hub import PushOptions, is_pickle_name, push
+from delta_attention.conversion.publishing import hub as hub_module
+from delta_attention.conversion.publishing.hub import PushOptions, is_pickle_name, push
 from delta_attention.scripts.cli import main
 from hub_server import TOKEN, FakeHub
 

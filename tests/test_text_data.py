@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_tokenizer
-from delta_attention.conversion.text_data import DataOptions, load_texts, pack_blocks, training_blocks
+from delta_attention.conversion.data.text import DataOptions, load_texts, pack_blocks, training_blocks
 
 DOCS = [" ".join(f"w{(d * 7 + i) % 50}" for i in range(40 + 10 * d)) for d in range(6)]
 
@@ -186,7 +186,7 @@ def test_options_are_validated_before_any_data_is_read(tokenizer, fields, proble
 def test_a_seq_len_past_the_models_positions_warns_once(capsys):
     from conftest import tiny_delta_config
 
-    from delta_attention.conversion.text_data import warn_if_longer_than_model
+    from delta_attention.conversion.data.text import warn_if_longer_than_model
 
     config = tiny_delta_config(max_position_embeddings=64)
     assert warn_if_longer_than_model(128, config) is True

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from conftest import tiny_delta_model
-from delta_attention.conversion import checkpoints
-from delta_attention.conversion.checkpoints import latest_checkpoint, save_checkpoint
-from delta_attention.conversion.metrics import plot_metrics, read_metrics
+from delta_attention.conversion.training import checkpoints
+from delta_attention.conversion.training.checkpoints import latest_checkpoint, save_checkpoint
+from delta_attention.conversion.training.metrics import plot_metrics, read_metrics
 from delta_attention.conversion.saving import atomic_save
-from delta_attention.conversion.training import NonFiniteLossError, TrainingOptions, data_order, run_training
+from delta_attention.conversion.training.loop import NonFiniteLossError, TrainingOptions, data_order, run_training
 
 BLOCKS = torch.randint(3, 97, (24, 32), generator=torch.Generator().manual_seed(0))
 TOKENS = 12 * 4 * 32  # 12 steps of 4 blocks

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import torch
 from tqdm.auto import tqdm
 
-from .text_windows import autocast
+from ..precision import autocast
 
 
 @dataclasses.dataclass
@@ -156,10 +156,12 @@ def collect_teacher_activations(
     return {i: acc[i].result() for i in layers}
 
 
-def new_parameters(attn) -> list[torch.nn.Parameter]:
-    """The parameters a delta layer has and the source attention lacks (what calibration fits)."""
-    copied = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
-    return [p for name, p in attn.named_parameters() if name.split(".")[0] not in copied]
+def relative_mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The attention-transfer objective: sum ||output - target||^2 / sum ||target||^2 (float32, differentiable).
+
+    Relative, so its scale does not depend on a layer's output norm and layers can be averaged."""
+    output, target = output.float(), target.float()
+    return (output - target).pow(2).sum() / target.pow(2).sum().clamp(min=1e-12)
 
 
 def _attn_forward(attn, inputs: torch.Tensor) -> torch.Tensor:
@@ -168,7 +170,7 @@ def _attn_forward(attn, inputs: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def relative_error(attn, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int = 4, bf16: bool = False) -> float:
-    """sum ||attn(x) - y||^2 / sum ||y||^2 over the activations."""
+    """`relative_mse` of `attn` over all the activations (summed over batches before dividing)."""
     err, ref = 0.0, 0.0
     device = next(attn.parameters()).device
     for start in range(0, len(inputs), batch_size):
@@ -229,12 +231,10 @@ def fit_layer(
     progress: bool = False,
     desc: str | None = None,
 ) -> list[float]:
-    """Train `params` of one attention layer (default: its new parameters) by MSE to `targets`; returns losses.
-
-    Batches are drawn from the activations in a fixed random order (seeded); the loss is the relative MSE of
-    the batch, so its scale does not depend on the layer's output norm.
+    """Train `params` of one attention layer (default: its new parameters) by `relative_mse` to `targets` on each
+    batch; returns the losses. Batches are drawn from the activations in a fixed random order (seeded).
     """
-    params = new_parameters(attn) if params is None else params
+    params = attn.new_parameters() if params is None else params
     if steps <= 0 or not params:
         return []
     frozen = [p for p in attn.parameters() if all(p is not q for q in params)]
@@ -264,7 +264,7 @@ def fit_layer(
             y = targets[index].to(device).float()
             with autocast(bf16):
                 out = _attn_forward(attn, x)
-            loss = (out.float() - y).pow(2).sum() / y.pow(2).sum().clamp(min=1e-12)
+            loss = relative_mse(out, y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -284,6 +284,6 @@ __all__ = [
     "collect_teacher_activations",
     "fit_head_scales",
     "fit_layer",
-    "new_parameters",
     "relative_error",
+    "relative_mse",
 ]

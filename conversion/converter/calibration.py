@@ -20,9 +20,9 @@ import dataclasses
 
 import torch
 
-from . import init as I
+from . import init_recipes as I
 from .attention_transfer import LayerActivations, fit_head_scales, fit_layer, relative_error
-from .text_windows import autocast
+from ..precision import autocast
 
 CANDIDATE_BETAS = (0.05, 0.15, 0.35, 0.7, 0.95)
 CANDIDATE_HALF_LIVES = (2.0, 8.0, 32.0, 128.0, 512.0, 2048.0)
@@ -91,18 +91,18 @@ def search_decay_beta(attn, acts: LayerActivations, windows: int, bf16: bool = F
     best_beta = torch.full((heads,), I.COPY_BETA)
     best_decay = torch.ones(heads) if attn.gate != "none" else None
     for beta, decay in candidates:
-        I.set_beta(attn, beta)
+        attn.set_beta_at_rest(beta)
         if decay is not None:
-            I.set_decay(attn, decay)
+            attn.set_decay_at_rest(decay)
         err = head_errors(attn, inputs, target, bf16)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_beta = torch.where(better, beta, best_beta)
         if decay is not None:
-            best_decay = torch.where(better, decay.clamp(I.MIN_DECAY, I.MAX_DECAY), best_decay)
-    I.set_beta(attn, best_beta)
+            best_decay = torch.where(better, decay.clamp(*attn.DECAY_AT_REST_RANGE), best_decay)
+    attn.set_beta_at_rest(best_beta)
     if best_decay is not None:
-        I.set_decay(attn, best_decay)
+        attn.set_decay_at_rest(best_decay)
     return best_beta, best_decay, prior_beta, prior_decay
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-DELTA = "linear_attention"
+from delta_attention.modeling.configuration_delta import DELTA_LAYER as DELTA
 
 
 @dataclasses.dataclass

@@ -21,52 +21,69 @@ import torch
 from tqdm.auto import tqdm
 
 from delta_attention.modeling import DeltaForCausalLM
+from delta_attention.modeling.configuration_delta import DELTA_GATES, DELTA_LAYER
 
-from . import init as I
+from . import init_recipes as I
+from .weight_mapping import copy_delta_projections, copy_shared_weights
 from .attention_transfer import collect_teacher_activations
 from .calibration import LayerCalibration, calibrate_layer
-from .layer_plan import LayerPlan, choose_auto, make_plan, parse_keep
-from .memory import MemoryReport, count_parameters, memory_report
-from .output_folder import check_output_folder
-from .saving import atomic_save
-from .sources import Source, SourceRef, check_layout, check_supported, load_config, load_source, resolve, source_layer_types
+from .layer_plan import KeepSpec, LayerPlan, choose_auto, make_plan, parse_keep
+from ..memory import MemoryReport, count_parameters, memory_report
+from ..output_folder import check_output_folder
+from ..saving import atomic_save
+from .sources import SOURCE_ATTRIBUTE, Source, SourceRef, check_layout, check_supported, load_config, load_source, resolve, source_layer_types
 from .target_config import DeltaOptions, delta_config_from_source
-from .text_windows import mean_nll, random_windows, token_windows
+from ..data.windows import random_windows, token_windows
+from ..evaluation.perplexity import mean_nll
 
 INITS = ("copy", "calibrated")
-#: config attribute of a converted model recording where its source (the distillation teacher) loads from
-SOURCE_ATTRIBUTE = "conversion_source"
-GATES = ("none", "scalar", "channel")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass
 class ConversionSettings:
-    """Everything a conversion chooses; the CLI's options map onto these fields one to one."""
+    """Everything a conversion chooses; `delta-attention convert` reads these fields as its flags."""
 
-    keep_attention: str = "0.25"
-    keep_first_layer: bool = True
-    gate: str = "scalar"
-    init: str = "calibrated"
-    conv_kernel_size: int = 4
-    output_gate: bool = True
-    allow_neg_eigval: bool = False
-    chunk_size: int = 64
-    calibration_tokens: int = 4096
-    calibration_seq_len: int = 512
-    calibration_steps: int = 0
-    calibration_lr: float = 3e-3
-    search_windows: int = 2
-    rank_tokens: int = 2048
-    bf16: bool = True
-    dtype: str = "auto"
-    seed: int = 0
+    keep_attention: str = dataclasses.field(
+        default="0.25",
+        metadata={"help": "layers that stay softmax: all | none | 0,4,8 | a ratio like 0.25 (uniform from layer 0) | "
+                          "auto:<ratio> (rank layers by the perplexity cost of bypassing them)"},
+    )
+    keep_first_layer: bool = dataclasses.field(
+        default=True, metadata={"help": "auto: always keep layer 0 as softmax (--no_keep_first_layer to rank it too)"}
+    )
+    gate: str = dataclasses.field(
+        default="scalar", metadata={"help": "delta decay: none (DeltaNet) | scalar (Gated DeltaNet) | channel (KDA)"}
+    )
+    init: str = dataclasses.field(
+        default="calibrated",
+        metadata={"help": "copy (weights copied, fixed defaults) | calibrated (fitted to the source's attention)"},
+    )
+    conv_kernel_size: int = dataclasses.field(default=4, metadata={"help": "short conv kernel of delta layers (0 = off)"})
+    output_gate: bool = dataclasses.field(default=True, metadata={"help": "delta output gate (--no_output_gate: off)"})
+    allow_neg_eigval: bool = dataclasses.field(default=False, metadata={"help": "beta in (0, 2) instead of (0, 1)"})
+    chunk_size: int = dataclasses.field(default=64, metadata={"help": "chunk length of the chunked kernel"})
+    calibration_tokens: int = dataclasses.field(default=4096, metadata={"help": "tokens of calibration text"})
+    calibration_seq_len: int = dataclasses.field(default=512, metadata={"help": "length of a calibration window"})
+    calibration_steps: int = dataclasses.field(
+        default=0, metadata={"help": "calibrated init: Adam steps per delta layer on the teacher's attention output"}
+    )
+    calibration_lr: float = dataclasses.field(default=3e-3, metadata={"help": "learning rate of those steps"})
+    search_windows: int = dataclasses.field(
+        default=2, metadata={"help": "calibrated init: windows used to search each head's (beta, decay)"}
+    )
+    rank_tokens: int = dataclasses.field(default=2048, metadata={"help": "auto: tokens of text to rank layers on"})
+    bf16: bool = dataclasses.field(default=True, metadata={"help": "bf16 autocast for calibration and ranking"})
+    dtype: str = dataclasses.field(
+        default="auto", metadata={"help": "saved weights: auto (source dtype) | float32 | bfloat16 | float16"}
+    )
+    seed: int = dataclasses.field(default=0, metadata={"help": "seed of the new parameters' random parts"})
 
     def validate(self) -> None:
         if self.init not in INITS:
             raise ValueError(f"--init must be one of {list(INITS)}, got {self.init!r}")
-        if self.gate not in GATES:
-            raise ValueError(f"--gate must be one of {list(GATES)} (none = DeltaNet, scalar = Gated DeltaNet, "
+        if self.gate not in DELTA_GATES:
+            raise ValueError(f"--gate must be one of {list(DELTA_GATES)} (none = DeltaNet, scalar = Gated DeltaNet, "
                              f"channel = KDA), got {self.gate!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
@@ -161,10 +178,11 @@ def rank_layers_by_bypass(model, windows: torch.Tensor, bf16: bool = True, progr
 
 
 def plan_layers(source_config, settings: ConversionSettings, model=None, rank_windows=None,
-                progress: bool = True) -> LayerPlan:
-    """The layer plan for `settings.keep_attention` (auto ranking needs `model` and `rank_windows`)."""
+                progress: bool = True, spec: KeepSpec | None = None) -> LayerPlan:
+    """The layer plan for `settings.keep_attention` (`spec`, when already parsed); auto ranking needs `model` and
+    `rank_windows`."""
     types = source_layer_types(source_config)
-    spec = parse_keep(settings.keep_attention, len(types))
+    spec = spec or parse_keep(settings.keep_attention, len(types))
     if not spec.is_auto:
         text = spec.text.strip().lower()
         if text in ("all", "none", ""):
@@ -184,6 +202,18 @@ def plan_layers(source_config, settings: ConversionSettings, model=None, rank_wi
     return make_plan(types, kept, rule, ranking=ranking, baseline_perplexity=baseline)
 
 
+def _plan_for(source: Source, tokenizer, settings: ConversionSettings, calibration_texts=None, progress: bool = True,
+              spec: KeepSpec | None = None) -> LayerPlan:
+    """The plan for a loaded source: `--keep-attention` parsed once, and auto plans ranked on calibration text."""
+    config = source.model.config
+    spec = spec or parse_keep(settings.keep_attention, config.num_hidden_layers)
+    rank_windows = None
+    if spec.is_auto:
+        rank_windows = calibration_windows(tokenizer, settings, config.vocab_size, calibration_texts,
+                                           settings.rank_tokens)
+    return plan_layers(config, settings, source.model, rank_windows, progress, spec=spec)
+
+
 # ----------------------------------------------------------------------------------------------- building
 
 
@@ -194,11 +224,11 @@ def build_delta_model(source_model, plan: LayerPlan, settings: ConversionSetting
     torch.manual_seed(settings.seed)
     model = DeltaForCausalLM(config).float().eval()
     kept = set(plan.kept)
-    I.copy_shared_weights(source_model, model, kept)
+    copy_shared_weights(source_model, model, kept)
     generator = torch.Generator().manual_seed(settings.seed)
     for i in plan.delta:
         attn = model.model.layers[i].self_attn
-        I.copy_delta_projections(source_model.model.layers[i].self_attn, attn, config.num_attention_heads,
+        copy_delta_projections(source_model.model.layers[i].self_attn, attn, config.num_attention_heads,
                                  config.num_key_value_heads)
         I.init_new_parameters(attn, generator)
     generation_config = getattr(source_model, "generation_config", None)
@@ -235,7 +265,7 @@ def calibration_windows(tokenizer, settings: ConversionSettings, vocab_size: int
     if tokenizer is None:
         return random_windows(vocab_size, seq_len, count, seed=settings.seed)
     if texts is None:
-        from .assets import train_texts
+        from ..data.assets import train_texts
 
         texts = train_texts()
     return token_windows(tokenizer, list(texts), seq_len, count)
@@ -280,10 +310,7 @@ def convert_model(source, settings: ConversionSettings | None = None, tokenizer=
     tokenizer = tokenizer if tokenizer is not None else source.tokenizer
     vocab = teacher.config.vocab_size
     if plan is None:
-        rank_windows = None
-        if parse_keep(settings.keep_attention, teacher.config.num_hidden_layers).is_auto:
-            rank_windows = calibration_windows(tokenizer, settings, vocab, calibration_texts, settings.rank_tokens)
-        plan = plan_layers(teacher.config, settings, teacher, rank_windows, progress)
+        plan = _plan_for(source, tokenizer, settings, calibration_texts, progress)
     student = build_delta_model(teacher, plan, settings)
     calibration, used = {}, 0
     described = "the given token windows" if windows is not None else (
@@ -322,7 +349,7 @@ def check_output(out, overwrite: bool, source_ref: SourceRef | None = None, forc
 def save_converted(result: ConversionResult, out, tokenizer=None, overwrite: bool = False,
                    progress: bool = True, force: bool = False) -> Path:
     """Write model, custom code, tokenizer, generation config, card and `conversion.json` to `out`, atomically."""
-    from .card import conversion_card
+    from ..publishing.cards import conversion_card
 
     out = check_output(out, overwrite, result.source_ref, force)
     steps = ["weights and model code", "tokenizer", "model card", "conversion record"]
@@ -370,10 +397,10 @@ def convert(source, out=None, settings: ConversionSettings | None = None, overwr
     check_supported(config)
     spec = parse_keep(settings.keep_attention, config.num_hidden_layers)
     # option values the model config rejects (e.g. a bad gate) fail here, before any loading
-    delta_config_from_source(config, ["linear_attention"] * config.num_hidden_layers, settings.delta_options())
+    delta_config_from_source(config, [DELTA_LAYER] * config.num_hidden_layers, settings.delta_options())
 
     if dry_run and not spec.is_auto:
-        plan = plan_layers(config, settings)
+        plan = plan_layers(config, settings, spec=spec)
         delta_config = delta_config_from_source(config, plan.layer_types, settings.delta_options())
         dtype = config.dtype if settings.dtype == "auto" and getattr(config, "dtype", None) else settings.dtype
         dtype = torch.float32 if dtype in ("auto", None) else dtype
@@ -387,11 +414,8 @@ def convert(source, out=None, settings: ConversionSettings | None = None, overwr
     loaded = source if isinstance(source, Source) else load_source(ref, with_tokenizer=tokenizer)
     if not tokenizer:
         loaded.tokenizer = None
-    plan = None
+    plan = _plan_for(loaded, loaded.tokenizer, settings, calibration_texts, progress, spec=spec)
     if dry_run:
-        windows = calibration_windows(loaded.tokenizer, settings, config.vocab_size, calibration_texts,
-                                      settings.rank_tokens)
-        plan = plan_layers(loaded.config, settings, loaded.model, windows, progress)
         delta_config = delta_config_from_source(loaded.config, plan.layer_types, settings.delta_options(),
                                                 model=loaded.model)
         memory = memory_report(_plain_config(loaded.config), delta_config, plan.source_types,
@@ -401,7 +425,7 @@ def convert(source, out=None, settings: ConversionSettings | None = None, overwr
         log("dry run: nothing written")
         return result
 
-    result = convert_model(loaded, settings, calibration_texts=calibration_texts, progress=progress)
+    result = convert_model(loaded, settings, calibration_texts=calibration_texts, plan=plan, progress=progress)
     log(result.describe())
     save_converted(result, out, tokenizer=loaded.tokenizer, overwrite=overwrite, progress=progress,
                    force=force_overwrite)

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import torch
 
+#: config attribute of a converted model recording where its source (the distillation teacher) loads from
+SOURCE_ATTRIBUTE = "conversion_source"
+
 #: `model_type` -> what it covers. Anything else is refused with this list.
 SUPPORTED_MODEL_TYPES = {
     "llama": "Llama 1/2/3, SmolLM/SmolLM2, TinyLlama and other Llama-architecture checkpoints",
@@ -222,6 +225,7 @@ def source_layer_types(config) -> list[str]:
 
 
 __all__ = [
+    "SOURCE_ATTRIBUTE",
     "SUPPORTED_MODEL_TYPES",
     "Source",
     "SourceRef",

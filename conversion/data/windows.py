@@ -1,4 +1,4 @@
-"""Fixed-length token windows cut from documents, and perplexity over them.
+"""Fixed-length token windows cut from documents (and random ones for models without a tokenizer).
 
 Windows are spread over the documents evenly (window `k` of `n` comes from document `floor(k * D / n)`), so a
 small budget still samples every era / author of a corpus rather than only the first file. The same
@@ -7,12 +7,7 @@ arguments always give the same windows.
 
 from __future__ import annotations
 
-import contextlib
-import math
-
 import torch
-import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 
 def token_windows(tokenizer, texts: list[str], seq_len: int, num_windows: int) -> torch.Tensor:
@@ -53,30 +48,4 @@ def random_windows(vocab_size: int, seq_len: int, num_windows: int, seed: int = 
     return torch.randint(0, vocab_size, (num_windows, seq_len), generator=generator)
 
 
-def autocast(enabled: bool):
-    """bf16 autocast on CPU (about twice as fast on AMX/AVX-512 machines), or nothing."""
-    return torch.autocast("cpu", dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
-
-
-@torch.no_grad()
-def mean_nll(model, windows: torch.Tensor, batch_size: int = 2, bf16: bool = False, desc: str | None = None) -> float:
-    """Mean next-token negative log-likelihood (nats) of `model` over every window (no cache, no padding)."""
-    total, count = 0.0, 0
-    device = next(model.parameters()).device
-    batches = range(0, len(windows), batch_size)
-    for start in tqdm(batches, desc=desc, disable=desc is None, leave=False):
-        ids = windows[start : start + batch_size].to(device)
-        with autocast(bf16):
-            logits = model(input_ids=ids, use_cache=False).logits
-        loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
-        total += loss.item()
-        count += ids[:, 1:].numel()
-    return total / count
-
-
-def perplexity(model, windows: torch.Tensor, batch_size: int = 2, bf16: bool = False, desc: str | None = None) -> float:
-    """exp(mean next-token NLL) of `model` on `windows`."""
-    return math.exp(mean_nll(model, windows, batch_size=batch_size, bf16=bf16, desc=desc))
-
-
-__all__ = ["autocast", "mean_nll", "perplexity", "random_windows", "token_windows"]
+__all__ = ["random_windows", "token_windows"]

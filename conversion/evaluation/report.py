@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
-from .evaluation import decode_speed, passkey_accuracy, perplexity_of_texts
-from .loading import check_model_spec, load_model
-from .text_data import load_texts
+from .perplexity import perplexity_of_texts
+from .tasks import decode_speed, passkey_accuracy
+from ..loading import check_model_spec, load_model
+from ..data.text import load_texts
 
 TASKS = ("perplexity", "passkey", "speed")
 

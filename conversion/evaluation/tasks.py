@@ -1,4 +1,4 @@
-"""Evaluation measures: sliding-window perplexity, passkey retrieval, decode speed and cache memory."""
+"""Evaluation tasks beyond perplexity: passkey retrieval, and decode speed with the cache memory it holds."""
 
 from __future__ import annotations
 
@@ -10,52 +10,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..memory import cache_bytes
+
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-
-
-@torch.no_grad()
-def sliding_nll(model, token_ids: torch.Tensor, window: int, stride: int) -> tuple[float, int]:
-    """Summed next-token NLL and the number of scored tokens of one document, with a sliding window.
-
-    Windows of `window` tokens start every `stride` tokens; each scores only the tokens the previous window
-    did not, with the rest of the window as context (the usual Transformers recipe), so a long document is
-    covered whole rather than truncated. With `stride < window` every token after the first is scored.
-    """
-    if not 0 < stride <= window:
-        raise ValueError(f"need 0 < stride <= window, got stride={stride}, window={window}")
-    device = next(model.parameters()).device
-    length = int(token_ids.numel())
-    total, count, previous_end = 0.0, 0, 0
-    for begin in range(0, length - 1, stride):
-        end = min(begin + window, length)
-        ids = token_ids[begin:end].to(device)[None]
-        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()  # predicts positions begin+1..end-1
-        first = max(previous_end - begin - 1, 0)  # skip what an earlier window scored
-        nll = F.cross_entropy(logits[first:], ids[0, 1 + first :], reduction="sum")
-        total, count = total + nll.item(), count + (end - begin - 1 - first)
-        previous_end = end
-        if end == length:
-            break
-    return total, count
-
-
-def perplexity_of_texts(model, tokenizer, texts: list[str], window: int, stride: int, max_tokens: int | None = None,
-                        progress: bool = True) -> dict:
-    """Corpus perplexity over `texts` (each tokenised whole, scored with `sliding_nll`), optionally capped."""
-    total, count = 0.0, 0
-    for text in tqdm(texts, desc="perplexity", disable=not progress, leave=False):
-        ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-        if max_tokens is not None:
-            ids = ids[: max(0, max_tokens - count) + 1]
-        if ids.numel() < 2:
-            continue
-        nll, n = sliding_nll(model, ids, window, stride)
-        total, count = total + nll, count + n
-        if max_tokens is not None and count >= max_tokens:
-            break
-    if count == 0:
-        raise ValueError("no text to score (every document is shorter than two tokens)")
-    return {"perplexity": math.exp(total / count), "nll": total / count, "tokens": count}
 
 
 def passkey_prompt(tokenizer, length: int, depth: float, passkey: int) -> torch.Tensor:
@@ -91,17 +48,6 @@ def passkey_accuracy(model, tokenizer, lengths: list[int], depths: list[float], 
                 total += 1
         results[length] = hits / total
     return results
-
-
-def cache_bytes(cache) -> int:
-    """Bytes held by a transformers cache: KV tensors of softmax layers, conv and recurrent states of delta layers."""
-    total = 0
-    for layer in cache.layers:
-        tensors = [getattr(layer, "keys", None), getattr(layer, "values", None)]
-        for attribute in ("conv_states", "recurrent_states"):
-            tensors += list(getattr(layer, attribute, {}).values())
-        total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-    return total
 
 
 @torch.no_grad()

@@ -1,19 +1,21 @@
-"""Model cards rendered from the templates in `model_cards/` with `huggingface_hub.ModelCard`."""
+"""Model cards rendered from the templates in `model_cards/` with `huggingface_hub.ModelCard`: the converted
+model's card (`conversion_card`) and the distilled model's (`distilled_card`, with `results_table`)."""
 
 from __future__ import annotations
 
 import importlib.resources
 from pathlib import Path
 
-from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from delta_attention.modeling.configuration_delta import DELTA_LAYER, delta_layer_indices
 
 GATE_NAMES = {
     "none": "DeltaNet (no decay)",
     "scalar": "Gated DeltaNet (one decay per head)",
     "channel": "Kimi delta attention (one decay per key channel)",
 }
-LAYER_NAMES = {"full_attention": "softmax", "sliding_attention": "softmax (sliding window)",
-               "linear_attention": "delta"}
+LAYER_NAMES = {"full_attention": "softmax", "sliding_attention": "softmax (sliding window)", DELTA_LAYER: "delta"}
 
 
 def template_path(name: str) -> Path:
@@ -107,4 +109,90 @@ def conversion_card(result, model_path: str = ".", has_tokenizer: bool = True) -
     )
 
 
-__all__ = ["conversion_card", "render", "template_path"]
+# ----------------------------------------------------------------------------------------------- distilled
+
+EVAL_NAMES = {"builtin:heldout": "held-out State of the Union and Shakespeare text"}
+
+
+def _display(name: str | None) -> str | None:
+    """A dataset as the card shows it: a local path only by its file name."""
+    if name is None:
+        return None
+    return EVAL_NAMES.get(name) or (Path(name).name if Path(name).is_absolute() else name)
+
+
+def _layers(indices) -> str:
+    return ", ".join(map(str, indices)) or "none"
+
+
+def distilled_card(conversion: dict, results: dict, model_name: str, eval_dataset: str):
+    """A `ModelCard` for a distilled model; `conversion` is the converted folder's `conversion.json`."""
+    source, plan, settings = conversion["source"], conversion["plan"], conversion["settings"]
+    types = plan["layer_types"]
+    stages = []
+    if "stage1" in results:
+        s1 = results["stage1"]
+        stages.append({"name": "1: attention transfer", "tokens": f"{s1['tokens']:,}", "lr": s1["lr"],
+                       "recipe": f"per-layer relative MSE to the teacher's attention output; trains the {s1['params']} "
+                                 "delta parameters"})
+    if "stage2" in results:
+        s2 = results["stage2"]
+        lora = s2["lora"]
+        stages.append({"name": "2: logit distillation", "tokens": f"{s2['tokens']:,}",
+                       "lr": f"{s2['lr']} (LoRA), {s2['new_params_lr']} (new parameters)",
+                       "recipe": f"KL(teacher \\| student) at T={s2['temperature']}"
+                                 + (f" + {s2['ce_weight']} CE" if s2["ce_weight"] else "")
+                                 + f"; LoRA r={lora['r']}, alpha={lora['alpha']}, dropout={lora['dropout']} on "
+                                   f"{lora['target_modules']}, merged"})
+    eval_name = _display(eval_dataset)
+    final = (results.get("stage2") or results.get("stage1") or {}).get("heldout_ppl")
+    eval_results = None
+    if final is not None:
+        eval_results = [EvalResult(task_type="text-generation", dataset_type="text", dataset_name=eval_name,
+                                   metric_type="perplexity", metric_value=round(final, 3))]
+    hub_source = source.get("kind") == "hub"
+    data = ModelCardData(library_name="transformers", pipeline_tag="text-generation",
+                         base_model=source["spec"] if hub_source else None, model_name=model_name,
+                         eval_results=eval_results,
+                         tags=["delta-attention", "linear-attention", "distilled", f"{settings['gate']}-gate"])
+    memory = conversion.get("memory", {})
+    recipe = results.get("recipe", {})
+    return render(
+        "distilled.md", data,
+        model_name=model_name,
+        source_name=source["spec"] if hub_source else Path(str(source["spec"])).name,
+        model_type=source.get("model_type"),
+        num_layers=len(types), num_delta=len(delta_layer_indices(types)),
+        num_kept=len(types) - len(delta_layer_indices(types)),
+        gate=settings["gate"], gate_name=GATE_NAMES[settings["gate"]], init=settings["init"],
+        plan_rule=plan["rule"],
+        kept_layers=_layers(i for i in range(len(types)) if i not in delta_layer_indices(types)),
+        delta_layers=_layers(delta_layer_indices(types)),
+        stages=stages, dataset=_display(recipe.get("dataset")), seq_len=recipe.get("seq_len"),
+        batch_size=recipe.get("batch_size"), mixed_precision=recipe.get("mixed_precision"),
+        eval_dataset=eval_name, results_table=results_table(results),
+        source_kv=f"{memory.get('source', {}).get('kv_per_token', 0):,}",
+        converted_kv=f"{memory.get('converted', {}).get('kv_per_token', 0):,}",
+        state_bytes=f"{memory.get('converted', {}).get('state_bytes', 0):,}",
+        model_path=model_name,
+    )
+
+
+def results_table(results: dict) -> str:
+    """Markdown table: teacher vs student held-out perplexity after each step of the recipe."""
+    teacher = results.get("teacher_ppl")
+    rows = [("teacher", teacher), ("converted, untrained", results.get("converted_ppl"))]
+    for stage in ("stage1", "stage2"):
+        if stage in results:
+            rows.append((f"after {stage.replace('stage', 'stage ')} ({results[stage]['tokens']:,} tokens)",
+                         results[stage].get("heldout_ppl")))
+    lines = ["| model | held-out perplexity | vs teacher |", "|---|---|---|"]
+    for name, ppl in rows:
+        if ppl is None:
+            continue
+        ratio = f"{ppl / teacher:.2f}x" if teacher else "-"
+        lines.append(f"| {name} | {ppl:.2f} | {ratio} |")
+    return "\n".join(lines)
+
+
+__all__ = ["conversion_card", "distilled_card", "render", "results_table", "template_path"]

@@ -23,7 +23,7 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData, get_token
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
-from .card import GATE_NAMES, render
+from .cards import GATE_NAMES, render
 
 # pickle-like weight files: matched on the lower-cased name's last suffix, once archive suffixes are dropped
 # (so `model.PT`, `optimizer.pth.tar` and `state.pkl.gz` are all refused, but `README.pt.md` is not)

@@ -19,8 +19,18 @@ from pathlib import Path
 
 import torch
 
-from .distill import (
-    DEFAULT_LORA_TARGETS,
+from ..converter.sources import SOURCE_ATTRIBUTE
+from ..data.text import DataOptions, load_texts, training_blocks, warn_if_longer_than_model
+from ..data.windows import token_windows
+from ..evaluation.perplexity import perplexity
+from ..loading import check_model_spec, load_model
+from ..output_folder import check_output_folder, open_run_folder
+from ..publishing.cards import distilled_card, results_table
+from ..saving import atomic_save, save_model_and_tokenizer
+from .lora import LoraOptions, lora_config
+from .loop import TrainingOptions, run_training
+from .metrics import plot_metrics
+from .objectives import (
     AttentionTransfer,
     HeldoutEvaluator,
     LogitDistillation,
@@ -29,14 +39,6 @@ from .distill import (
     freeze_all,
     stage1_parameters,
 )
-from .convert import SOURCE_ATTRIBUTE
-from .loading import check_model_spec, load_model
-from .metrics import plot_metrics
-from .output_folder import check_output_folder, open_run_folder
-from .saving import atomic_save, save_model_and_tokenizer
-from .text_data import DataOptions, load_texts, training_blocks, warn_if_longer_than_model
-from .text_windows import perplexity, token_windows
-from .training import TrainingOptions, run_training
 
 
 
@@ -68,12 +70,6 @@ class DistillOptions:
     stage2_new_params_lr: float = dataclasses.field(
         default=1e-3, metadata={"help": "learning rate of the new delta parameters in stage 2"}
     )
-    lora_r: int = dataclasses.field(default=16, metadata={"help": "LoRA rank"})
-    lora_alpha: int = dataclasses.field(default=32, metadata={"help": "LoRA alpha"})
-    lora_dropout: float = dataclasses.field(default=0.0, metadata={"help": "LoRA dropout"})
-    lora_target_modules: str = dataclasses.field(
-        default=DEFAULT_LORA_TARGETS, metadata={"help": "comma-separated module names, or all-linear"}
-    )
     temperature: float = dataclasses.field(default=1.0, metadata={"help": "distillation temperature"})
     ce_weight: float = dataclasses.field(default=0.0, metadata={"help": "weight of a cross-entropy term in stage 2"})
     output: str = dataclasses.field(
@@ -104,8 +100,6 @@ def _check_options(options: DistillOptions, data: DataOptions, training: Trainin
     for name in ("stage1_tokens", "stage2_tokens"):
         if getattr(options, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(options, name)}")
-    if options.lora_r < 1:
-        raise ValueError(f"--lora_r must be >= 1, got {options.lora_r}")
     if options.teacher:
         check_model_spec(options.teacher, "teacher")
     training.validate()
@@ -121,7 +115,7 @@ def _load_student(folder: str):
 
 
 def _load_teacher(options: DistillOptions, student):
-    from .sources import load_source
+    from ..converter.sources import load_source
 
     spec = options.teacher or getattr(student.config, SOURCE_ATTRIBUTE, None)
     if not spec:
@@ -170,12 +164,18 @@ def _load_tokenizer(folder: str, fallback):
         return fallback
 
 
-def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOptions) -> dict:
+#: LoRA of stage 2 unless the options say otherwise: the copied attention projections, no dropout
+DISTILL_LORA_TARGETS, DISTILL_LORA_DROPOUT = "q_proj,k_proj,v_proj,o_proj", 0.0
+
+
+def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOptions,
+                lora: LoraOptions | None = None) -> dict:
     """Run the stages asked for; returns the evaluation results (also written to `output_dir/results.json`).
 
     Every input is checked and loaded before the output folder is touched; with `--overwrite` the new run works in
     a staging folder that replaces the old one only when the run is complete."""
     stages = _check_options(options, data, training)
+    lora = (lora or LoraOptions()).validate().resolved(DISTILL_LORA_TARGETS, DISTILL_LORA_DROPOUT)
     student = _load_student(options.student)
     teacher, teacher_tokenizer = _load_teacher(options, student)
     tokenizer = _load_tokenizer(options.student, teacher_tokenizer)
@@ -227,9 +227,7 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
 
     if 2 in stages:
         torch.manual_seed(data.seed + 1)  # the LoRA initialisation: the same --seed gives the same run
-        peft_model, new_params = add_lora(
-            student, options.lora_target_modules, options.lora_r, options.lora_alpha, options.lora_dropout
-        )
+        peft_model, new_params = add_lora(student, lora_config(lora))
         lora_params = [p for n, p in peft_model.named_parameters() if "lora_" in n]
         groups = [{"params": lora_params, "lr": options.stage2_lr}]
         if options.output == "merged":
@@ -247,8 +245,7 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
         results["stage2"] = {"tokens": result.tokens, "seconds": time.perf_counter() - started,
                              "tokens_per_s": result.tokens / max(result.seconds, 1e-9), "final_loss": result.final_loss,
                              "lr": options.stage2_lr, "new_params_lr": options.stage2_new_params_lr,
-                             "lora": {"r": options.lora_r, "alpha": options.lora_alpha,
-                                      "dropout": options.lora_dropout, "target_modules": options.lora_target_modules},
+                             "lora": lora.record(),
                              "temperature": options.temperature, "ce_weight": options.ce_weight,
                              "heldout_ppl": result.evaluations[-1]["heldout_ppl"] if result.evaluations else None}
         if options.output == "merged":
@@ -268,8 +265,7 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
 
 def _save_distilled(model, tokenizer, folder: Path, options: DistillOptions, results: dict) -> None:
     """The merged model with its tokenizer, the conversion record and a card with the recipe and results."""
-    from .distill_card import distilled_card
-
+    
     save_model_and_tokenizer(model, tokenizer, folder)
     record_path = Path(options.student) / "conversion.json"
     if record_path.is_file():
@@ -283,20 +279,3 @@ def _write_results(out: Path, results: dict) -> None:
     partial = out / ".results.json.partial"
     partial.write_text(json.dumps(results, indent=1))
     os.replace(partial, out / "results.json")
-
-
-def results_table(results: dict) -> str:
-    """Markdown table: teacher vs student held-out perplexity after each step of the recipe."""
-    teacher = results.get("teacher_ppl")
-    rows = [("teacher", teacher), ("converted, untrained", results.get("converted_ppl"))]
-    for stage in ("stage1", "stage2"):
-        if stage in results:
-            rows.append((f"after {stage.replace('stage', 'stage ')} ({results[stage]['tokens']:,} tokens)",
-                         results[stage].get("heldout_ppl")))
-    lines = ["| model | held-out perplexity | vs teacher |", "|---|---|---|"]
-    for name, ppl in rows:
-        if ppl is None:
-            continue
-        ratio = f"{ppl / teacher:.2f}x" if teacher else "-"
-        lines.append(f"| {name} | {ppl:.2f} | {ratio} |")
-    return "\n".join(lines)

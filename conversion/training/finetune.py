@@ -14,13 +14,14 @@ from pathlib import Path
 
 import torch
 
-from .chat_data import chat_rows
+from ..data.chat import chat_rows
+from ..data.text import DataOptions, load_texts, training_blocks, warn_if_longer_than_model
+from ..loading import check_model_spec, load_model
+from ..output_folder import check_output_folder, open_run_folder
+from ..saving import atomic_save, save_model_and_tokenizer
+from .lora import LoraOptions, lora_config
+from .loop import TrainingOptions, run_training
 from .metrics import plot_metrics
-from .loading import check_model_spec, load_model
-from .output_folder import check_output_folder, open_run_folder
-from .saving import atomic_save, save_model_and_tokenizer
-from .text_data import DataOptions, load_texts, training_blocks, warn_if_longer_than_model
-from .training import TrainingOptions, run_training
 
 
 @dataclasses.dataclass
@@ -44,12 +45,6 @@ class FinetuneOptions:
     )
     max_tokens: int = dataclasses.field(default=200_000, metadata={"help": "token budget (padding included)"})
     learning_rate: float = dataclasses.field(default=2e-4, metadata={"help": "learning rate of the LoRA weights"})
-    lora_r: int = dataclasses.field(default=16, metadata={"help": "LoRA rank"})
-    lora_alpha: int = dataclasses.field(default=32, metadata={"help": "LoRA alpha"})
-    lora_dropout: float = dataclasses.field(default=0.05, metadata={"help": "LoRA dropout"})
-    lora_target_modules: str = dataclasses.field(
-        default="all-linear", metadata={"help": "comma-separated module names, or all-linear (every linear but lm_head)"}
-    )
     merge: bool = dataclasses.field(default=False, metadata={"help": "also write the merged model to output_dir/merged"})
 
 
@@ -60,8 +55,8 @@ def _check_options(options: FinetuneOptions, data: DataOptions, training: Traini
     check_model_spec(options.model)
     if options.data_format not in ("auto", "text", "chat"):
         raise ValueError(f"--data_format must be auto, text or chat, got {options.data_format!r}")
-    if options.max_tokens < 1 or options.lora_r < 1:
-        raise ValueError(f"--max_tokens and --lora_r must be >= 1, got {options.max_tokens} and {options.lora_r}")
+    if options.max_tokens < 1:
+        raise ValueError(f"--max_tokens must be >= 1, got {options.max_tokens}")
     training.validate()
     data.validate()
     check_output_folder(options.output_dir, overwrite=options.overwrite, resume=training.resume,
@@ -93,30 +88,31 @@ def _loss(model, batch):
     return model(input_ids=batch, labels=batch, use_cache=False).loss, {}
 
 
-def run_finetune(options: FinetuneOptions, data: DataOptions, training: TrainingOptions) -> dict:
+#: LoRA unless the options say otherwise: every linear layer but the LM head, dropout 0.05
+FINETUNE_LORA_TARGETS, FINETUNE_LORA_DROPOUT = "all-linear", 0.05
+
+
+def run_finetune(options: FinetuneOptions, data: DataOptions, training: TrainingOptions,
+                 lora: LoraOptions | None = None) -> dict:
     """Fine-tune with LoRA; returns a summary (also written to `output_dir/results.json`)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
     _check_options(options, data, training)
+    lora = (lora or LoraOptions()).validate().resolved(FINETUNE_LORA_TARGETS, FINETUNE_LORA_DROPOUT)
     model, tokenizer = load_model(options.model)
     warn_if_longer_than_model(data.seq_len, model.config)
     rows = finetune_rows(options, data, tokenizer)
-    targets = options.lora_target_modules
-    targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
-    lora = LoraConfig(r=options.lora_r, lora_alpha=options.lora_alpha, lora_dropout=options.lora_dropout,
-                      target_modules=targets, task_type="CAUSAL_LM")
     run = open_run_folder(Path(options.output_dir), "finetune", overwrite=options.overwrite, resume=training.resume)
     out = run.work
     torch.manual_seed(data.seed)  # the LoRA initialisation: the same --seed gives the same run
-    peft_model = get_peft_model(model, lora)
+    peft_model = get_peft_model(model, lora_config(lora))
     params = [p for p in peft_model.parameters() if p.requires_grad]
     result = run_training(peft_model, _loss, [{"params": params, "lr": options.learning_rate}], rows, training, out,
                           options.max_tokens, seed=data.seed, description="fine-tuning")
     atomic_save(lambda folder: save_model_and_tokenizer(peft_model, tokenizer, folder), out / "adapter")
     summary = {"model": options.model, "steps": result.steps, "tokens": result.tokens, "final_loss": result.final_loss,
                "tokens_per_s": result.tokens / max(result.seconds, 1e-9),
-               "lora": {"r": options.lora_r, "alpha": options.lora_alpha, "dropout": options.lora_dropout,
-                        "target_modules": options.lora_target_modules}, "learning_rate": options.learning_rate}
+               "lora": lora.record(), "learning_rate": options.learning_rate}
     if options.merge:
         merged = peft_model.merge_and_unload()
         atomic_save(lambda folder: save_model_and_tokenizer(merged, tokenizer, folder), out / "merged")

@@ -12,19 +12,19 @@
 from __future__ import annotations
 
 import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention_transfer import collect_teacher_activations, new_parameters
-from .text_windows import perplexity
+from delta_attention.modeling.configuration_delta import delta_layer_indices as _delta_layer_indices
 
-DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj"
-
+from ..converter.attention_transfer import collect_teacher_activations, relative_mse
+from ..evaluation.perplexity import perplexity
 
 def delta_layer_indices(student) -> list[int]:
-    """Indices of the student's delta (linear_attention) layers."""
-    return [i for i, kind in enumerate(student.config.layer_types) if kind == "linear_attention"]
+    """Indices of the student's delta layers."""
+    return _delta_layer_indices(student.config.layer_types)
 
 
 def stage1_parameters(student, layers: list[int], which: str = "new") -> list[nn.Parameter]:
@@ -33,7 +33,7 @@ def stage1_parameters(student, layers: list[int], which: str = "new") -> list[nn
         raise ValueError(f"stage1_params must be 'new' or 'mixer', got {which!r}")
     mixers = [student.model.layers[i].self_attn for i in layers]
     if which == "new":
-        return [p for attn in mixers for p in new_parameters(attn)]
+        return [p for attn in mixers for p in attn.new_parameters()]
     return [p for attn in mixers for p in attn.parameters()]
 
 
@@ -57,8 +57,7 @@ class AttentionTransfer(nn.Module):
         errors = {}
         for i in self.layers:
             inputs, targets = activations[i].inputs.to(device), activations[i].outputs.to(device).float()
-            output = self.mixers[str(i)](inputs)[0].float()
-            errors[i] = (output - targets).pow(2).sum() / targets.pow(2).sum().clamp(min=1e-12)
+            errors[i] = relative_mse(self.mixers[str(i)](inputs)[0], targets)
         loss = torch.stack(list(errors.values())).mean()
         worst = max(errors, key=lambda i: errors[i].item())
         return loss, {"worst_layer": worst, "worst_layer_mse": errors[worst].item()}
@@ -96,20 +95,16 @@ class LogitDistillation(nn.Module):
         return loss, metrics
 
 
-def add_lora(student, target_modules: str | list[str], r: int, alpha: int, dropout: float):
-    """Wrap `student` with PEFT LoRA on `target_modules`; also unfreezes the delta layers' new parameters.
+def add_lora(student, config):
+    """Wrap `student` with PEFT LoRA (`config`, a `peft.LoraConfig`); also unfreezes the delta layers' new parameters.
 
     Returns `(peft_model, new_params)`; `new_params` are the small new parameters trained in full.
     """
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    targets = [t.strip() for t in target_modules.split(",")] if isinstance(target_modules, str) else target_modules
-    if targets == ["all-linear"]:
-        targets = "all-linear"
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
     model = get_peft_model(student, config)
     base = model.get_base_model()
-    new_params = [p for i in delta_layer_indices(base) for p in new_parameters(base.model.layers[i].self_attn)]
+    new_params = [p for i in delta_layer_indices(base) for p in base.model.layers[i].self_attn.new_parameters()]
     for p in new_params:
         p.requires_grad_(True)
     return model, new_params
