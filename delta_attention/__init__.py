@@ -6,16 +6,9 @@ Importing the package registers `DeltaConfig`, `DeltaModel` and `DeltaForCausalL
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .modeling import (
-    DeltaCache,
-    DeltaConfig,
-    DeltaForCausalLM,
-    DeltaModel,
-    DeltaPreTrainedModel,
-    chunk_delta_rule,
-    delta_rule_reference,
-    recurrent_delta_rule,
-)
+from . import modeling
+from .modeling import *  # noqa: F403  (the public model API: config, models, cache, kernels)
+from .modeling import DeltaConfig, DeltaForCausalLM, DeltaModel
 
 __version__ = "0.1.0"
 
@@ -23,14 +16,4 @@ AutoConfig.register(DeltaConfig.model_type, DeltaConfig, exist_ok=True)
 AutoModel.register(DeltaConfig, DeltaModel, exist_ok=True)
 AutoModelForCausalLM.register(DeltaConfig, DeltaForCausalLM, exist_ok=True)
 
-__all__ = [
-    "DeltaCache",
-    "DeltaConfig",
-    "DeltaForCausalLM",
-    "DeltaModel",
-    "DeltaPreTrainedModel",
-    "__version__",
-    "chunk_delta_rule",
-    "delta_rule_reference",
-    "recurrent_delta_rule",
-]
+__all__ = ["__version__", *modeling.__all__]

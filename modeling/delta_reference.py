@@ -61,15 +61,9 @@ def expand_decay(decay: torch.Tensor, gate: str) -> torch.Tensor:
     return decay[..., None] if gate == "channel" else decay[..., None, None]
 
 
-def delta_rule_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    beta: torch.Tensor,
-    g: torch.Tensor | None = None,
-    initial_state: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                         g: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
+                         scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta rule one token at a time, written as the definition reads. Slow; for tests."""
     gate = gate_kind(g)
     batch, seq_len, heads, key_dim = q.shape
@@ -134,17 +128,10 @@ def _decayed_scores(
     return torch.cat(columns, dim=-1)
 
 
-def chunk_delta_rule_elementwise(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    beta: torch.Tensor,
-    g: torch.Tensor | None = None,
-    initial_state: torch.Tensor | None = None,
-    scale: float | None = None,
-    chunk_size: int = 64,
-    gate: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_delta_rule_elementwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                                 g: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
+                                 scale: float | None = None, chunk_size: int = 64, gate: str | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunkwise form written plainly (float32, a loop over chunks, autograd through it); exact for any decay.
 
     `gate` is `gate_kind(g)` (computed when not given). Within a chunk of C tokens with cumulative log-decay G:

@@ -24,18 +24,10 @@ from .delta_fla import fla_available, fla_delta_rule
 from .delta_reference import chunk_delta_rule_elementwise, delta_rule_reference, expand_decay, gate_kind, start_state
 
 
-def recurrent_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    beta: torch.Tensor,
-    g: torch.Tensor | None = None,
-    initial_state: torch.Tensor | None = None,
-    scale: float | None = None,
-    *,
-    inplace: bool = False,
-    implementation: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
+def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                         g: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
+                         scale: float | None = None, *, inplace: bool = False, implementation: str = "auto"
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Recurrent form for decoding: a loop over the (few) new tokens, batched matmuls over batch and heads.
 
     With `inplace=True` and a float32 contiguous `initial_state` that needs no gradient, the state is updated in
@@ -92,18 +84,10 @@ def _recurrent_inplace(q, k, v, beta, g, state, scale) -> tuple[torch.Tensor, to
     return out, state
 
 
-def chunk_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    beta: torch.Tensor,
-    g: torch.Tensor | None = None,
-    initial_state: torch.Tensor | None = None,
-    scale: float | None = None,
-    chunk_size: int = 64,
-    *,
-    implementation: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                     g: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
+                     scale: float | None = None, chunk_size: int = 64, *, implementation: str = "auto"
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunkwise delta rule (WY / UT transform) for prefill and training; differentiable.
 
     `implementation`: `"auto"` runs fla's Triton kernels on CUDA when flash-linear-attention is installed and the

@@ -54,15 +54,18 @@ def synthesized_cache(model, context: int, static_steps: int | None = None):
     With `static_steps`, a `StaticCache` of `context + static_steps` slots (keys/values written in place each step);
     otherwise the `DynamicCache` that `generate` uses by default.
     """
-    from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin, StaticCache
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin, StaticCache
+
+    from delta_attention import DeltaCache
+    from delta_attention.modeling.delta_cache import use_delta_layers
 
     config = model.config
     dtype = next(model.parameters()).dtype
     generator = torch.Generator().manual_seed(1)
     if static_steps is None:
-        cache = DynamicCache(config=config)
+        cache = DeltaCache(config=config)
     else:
-        cache = StaticCache(config=config, max_cache_len=context + static_steps)
+        cache = use_delta_layers(StaticCache(config=config, max_cache_len=context + static_steps))
     kv_shape = (1, config.num_key_value_heads, context, config.head_dim)
     for index, layer in enumerate(cache.layers):
         if isinstance(layer, LinearAttentionCacheLayerMixin):
@@ -71,8 +74,7 @@ def synthesized_cache(model, context: int, static_steps: int | None = None):
                 conv = torch.randn(1, attention.conv1d.weight.shape[0], attention.conv_kernel_size, generator=generator)
                 cache.update_conv_state(conv.to(dtype), index, conv_kernel_size=attention.conv_kernel_size)
             state = torch.randn(1, attention.num_heads, attention.key_head_dim, attention.value_head_dim, generator=generator)
-            cache.update_recurrent_state(state * 0.1, index)
-            layer.has_previous_state[0] = True
+            cache.update_recurrent_state(state * 0.1, index, new_tokens=context)
         else:
             keys = torch.randn(kv_shape, generator=generator).to(dtype)
             values = torch.randn(kv_shape, generator=generator).to(dtype)
@@ -83,8 +85,6 @@ def synthesized_cache(model, context: int, static_steps: int | None = None):
                 layer.keys[:, :, :context] = keys
                 layer.values[:, :, :context] = values
                 layer.cumulative_length.fill_(context)
-    if all(cache.is_linear):
-        cache.layers[0].delta_seen_tokens = context  # the all-delta model's own position count
     return cache
 
 
@@ -206,20 +206,19 @@ def _long_prompt_child(length: int, dtype_name: str, threads: int, shape: dict, 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = DeltaForCausalLM(DeltaConfig(**shape)).to(getattr(torch, dtype_name)).eval()
-    if piece_size:
-        model.prefill_piece_size = piece_size
+    piece_size = piece_size or model.prefill_piece_size
     ids = torch.randint(3, shape["vocab_size"], (1, length), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        model(ids[:, : min(length, 1024)], logits_to_keep=1)  # warm-up
+        model.prefill(ids[:, : min(length, 1024)], piece_size=piece_size, logits_to_keep=1)  # warm-up
         with PeakRSS() as rss:
             begin = time.perf_counter()
-            out = model(ids, logits_to_keep=1)
+            out = model.prefill(ids, piece_size=piece_size, logits_to_keep=1)
             seconds = time.perf_counter() - begin
     assert out.logits.shape == (1, 1, shape["vocab_size"])
     # sampled, not getrusage: Linux carries ru_maxrss over from the parent through fork and exec
     queue.put({"tokens": length, "seconds": seconds, "tokens_per_second": length / seconds,
                "peak_rss_bytes": rss.peak, "rss_increase_bytes": rss.peak - rss.baseline,
-               "piece_size": model.prefill_piece_size})
+               "piece_size": piece_size})
 
 
 def run_long_prompt_benchmark(tokens: int, reference_tokens: int, dtype: torch.dtype, log=print,
