@@ -37,7 +37,8 @@ class CacheFigures:
     """Per-sequence inference cache of one model at batch 1.
 
     `kv_per_token`: bytes of K/V added per token by full-attention layers; `sliding_per_token` and
-    `sliding_window`: the same for sliding-window layers, which stop growing at the window;
+    `sliding_window`: the same for sliding-window layers, which hold `min(tokens, sliding_window)` tokens (what
+    a `StaticCache` allocates; transformers' `DynamicCache` keeps one token fewer between forward calls);
     `state_bytes`: the fixed size of all delta states (float32) and short-conv states.
     """
 
@@ -47,8 +48,16 @@ class CacheFigures:
     state_bytes: int
 
     def total(self, tokens: int) -> int:
+        """Cache bytes after `tokens` tokens."""
         sliding_tokens = min(tokens, self.sliding_window) if self.sliding_window else tokens
         return self.kv_per_token * tokens + self.sliding_per_token * sliding_tokens + self.state_bytes
+
+    @property
+    def bound(self) -> int | None:
+        """The most bytes the cache ever holds, whatever the length (None: it grows with every token)."""
+        if self.kv_per_token:
+            return None
+        return self.sliding_per_token * (self.sliding_window or 0) + self.state_bytes
 
 
 def cache_figures(config, layer_types: list[str], dtype=torch.float32) -> CacheFigures:
@@ -81,11 +90,25 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-CONTEXTS = (4096, 32768, 1_048_576)
+CONTEXTS = (8192, 131_072, 1_048_576)
+
+
+def _bound_text(figures: CacheFigures) -> str:
+    """The largest cache at any length, as a table cell."""
+    return "grows with the context" if figures.bound is None else f"at most {human_bytes(figures.bound)}"
+
+
+def _sliding_text(figures: CacheFigures) -> str:
+    """Bytes per token of the sliding layers times their window, as a table cell."""
+    if not figures.sliding_per_token:
+        return "-"
+    return f"{human_bytes(figures.sliding_per_token)}/token x {figures.sliding_window:,}"
 
 
 @dataclasses.dataclass
 class MemoryReport:
+    """Parameters and inference cache of a source and its conversion, as the dry run, the log and the card show them."""
+
     source_parameters: int
     converted_parameters: int
     source_cache: CacheFigures
@@ -96,18 +119,19 @@ class MemoryReport:
         src, dst = self.source_cache, self.converted_cache
         rows = [
             ("parameters", f"{self.source_parameters:,}", f"{self.converted_parameters:,}"),
-            ("KV bytes per token (growing)", human_bytes(src.kv_per_token + src.sliding_per_token),
-             human_bytes(dst.kv_per_token + dst.sliding_per_token)),
+            ("KV bytes per token (growing)", human_bytes(src.kv_per_token), human_bytes(dst.kv_per_token)),
+            ("sliding-window KV (bounded)", _sliding_text(src), _sliding_text(dst)),
             ("delta state (fixed, per sequence)", human_bytes(src.state_bytes), human_bytes(dst.state_bytes)),
         ]
         for tokens in CONTEXTS:
             rows.append((f"cache at {tokens:,} tokens", human_bytes(src.total(tokens)), human_bytes(dst.total(tokens))))
+        rows.append(("cache at any length", _bound_text(src), _bound_text(dst)))
         return rows
 
     def describe(self) -> str:
         lines = [f"memory (batch 1, {self.dtype_name} KV cache, float32 delta state):",
-                 f"  {'':<36}{'source':>18}{'converted':>18}"]
-        lines += [f"  {name:<36}{a:>18}{b:>18}" for name, a, b in self.rows()]
+                 f"  {'':<36}{'source':>26}{'converted':>26}"]
+        lines += [f"  {name:<36}{a:>26}{b:>26}" for name, a, b in self.rows()]
         return "\n".join(lines)
 
     def as_dict(self) -> dict:
@@ -122,6 +146,8 @@ class MemoryReport:
 
 def memory_report(source_config, delta_config, source_types, dtype, source_parameters=None,
                   converted_parameters=None) -> MemoryReport:
+    """Parameters and cache figures of the source (`source_types`) and the converted model (its `layer_types` and
+    `sliding_window`); parameters are counted on the meta device when not given."""
     if source_parameters is None:
         source_parameters = count_from_config(source_config)
     if converted_parameters is None:

@@ -9,6 +9,11 @@
 * `auto:<ratio>`: rank the layers by how much bypassing each one's attention raises the source's perplexity
   on calibration text, and keep the `round(ratio * L)` most costly; layer 0 is always kept unless
   `keep_first_layer=False`.
+
+A plan may also give the kept layers a window (`--attention-window W`): every kept layer becomes a
+`sliding_attention` layer attending to its last W tokens, whatever its kind in the source, so the converted
+model's cache is bounded at any length (the delta states plus W keys/values per kept layer). Without a window
+kept layers keep their source kind, and source sliding layers their source window.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import dataclasses
 import math
 
 from delta_attention.modeling.configuration_delta import DELTA_LAYER as DELTA
+
+SLIDING = "sliding_attention"
 
 
 @dataclasses.dataclass
@@ -104,6 +111,9 @@ class LayerPlan:
     rule: str
     ranking: list[tuple[int, float]] | None = None  # auto: (layer, perplexity with its attention bypassed)
     baseline_perplexity: float | None = None
+    sliding_window: int | None = None  # window of the converted model's sliding layers (None: it has none)
+    source_sliding_window: int | None = None  # window of the source's sliding layers (None: it has none)
+    attention_window: int | None = None  # the --attention-window asked for (None: kept layers keep their kind)
 
     @property
     def kept(self) -> list[int]:
@@ -114,10 +124,12 @@ class LayerPlan:
         return [i for i, t in enumerate(self.layer_types) if t == DELTA]
 
     def describe(self) -> str:
-        lines = [f"layer plan ({self.rule}): {len(self.kept)} of {len(self.layer_types)} layers keep softmax attention"]
-        names = {"full_attention": "softmax (full)", "sliding_attention": "softmax (sliding window)", DELTA: "delta"}
+        lines = [f"layer plan ({self.rule}): {len(self.kept)} of {len(self.layer_types)} layers keep softmax attention"
+                 + (f", each in a sliding window of {self.attention_window} tokens" if self.attention_window else "")]
+        width = max(len(layer_name(t, self.source_sliding_window)) for t in self.source_types) + 2
         for i, (src, dst) in enumerate(zip(self.source_types, self.layer_types)):
-            lines.append(f"  layer {i:>3}: {names[src]:<26} -> {names[dst]}")
+            source, target = layer_name(src, self.source_sliding_window), layer_name(dst, self.sliding_window)
+            lines.append(f"  layer {i:>3}: {source:<{max(width, 26)}} -> {target}")
         if self.ranking:
             lines.append(
                 "auto ranking (perplexity with the layer's attention bypassed; "
@@ -127,9 +139,44 @@ class LayerPlan:
         return "\n".join(lines)
 
 
-def make_plan(source_types: list[str], kept: tuple[int, ...], rule: str, **extra) -> LayerPlan:
-    types = [src if i in kept else DELTA for i, src in enumerate(source_types)]
-    return LayerPlan(list(source_types), types, rule, **extra)
+def layer_name(layer_type: str, window: int | None = None) -> str:
+    """How layer maps name a layer kind: "softmax (full)", "softmax (sliding window 4096)" or "delta"."""
+    if layer_type == DELTA:
+        return "delta"
+    if layer_type == SLIDING:
+        return f"softmax (sliding window {window})" if window else "softmax (sliding window)"
+    return "softmax (full)"
 
 
-__all__ = ["DELTA", "KeepSpec", "LayerPlan", "choose_auto", "make_plan", "parse_keep", "uniform_layers"]
+def check_window(window) -> int | None:
+    """`--attention-window` as an int >= 1 (None: no window); a clear `ValueError` otherwise."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"--attention-window must be a whole number of tokens >= 1 (the keys/values each kept softmax "
+                         f"layer attends to), got {window!r}")
+    return window
+
+
+def make_plan(source_types: list[str], kept: tuple[int, ...], rule: str, window: int | None = None,
+              source_window: int | None = None, **extra) -> LayerPlan:
+    """The plan keeping layers `kept` as softmax and converting the rest to delta.
+
+    With `window` every kept layer becomes a sliding layer of that window (a source sliding layer too: the
+    given window replaces the source's `source_window`); without it kept layers keep their source kind and
+    the source's window.
+    """
+    window = check_window(window)
+    kept = set(kept)
+    types = [(SLIDING if window else src) if i in kept else DELTA for i, src in enumerate(source_types)]
+    source_window = source_window if SLIDING in source_types else None
+    target_window = (window or source_window) if SLIDING in types else None
+    if SLIDING in types and not target_window:
+        raise ValueError("the source has sliding-window layers but no `sliding_window` in its config; "
+                         "give --attention-window W")
+    return LayerPlan(list(source_types), types, rule, sliding_window=target_window, source_sliding_window=source_window,
+                     attention_window=window, **extra)
+
+
+__all__ = ["DELTA", "SLIDING", "KeepSpec", "LayerPlan", "check_window", "choose_auto", "layer_name", "make_plan",
+           "parse_keep", "uniform_layers"]

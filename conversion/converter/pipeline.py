@@ -27,7 +27,7 @@ from . import init_recipes as I
 from .weight_mapping import copy_delta_projections, copy_shared_weights
 from .attention_transfer import collect_teacher_activations
 from .calibration import LayerCalibration, calibrate_layer
-from .layer_plan import KeepSpec, LayerPlan, choose_auto, make_plan, parse_keep
+from .layer_plan import KeepSpec, LayerPlan, check_window, choose_auto, make_plan, parse_keep
 from ..memory import MemoryReport, count_parameters, memory_report
 from ..output_folder import check_output_folder
 from ..saving import atomic_save
@@ -78,6 +78,13 @@ class ConversionSettings:
         default="auto", metadata={"help": "saved weights: auto (source dtype) | float32 | bfloat16 | float16"}
     )
     seed: int = dataclasses.field(default=0, metadata={"help": "seed of the new parameters' random parts"})
+    attention_window: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": "turn every kept softmax layer into a sliding-window layer over its last W tokens, so the "
+                          "cache is bounded at any length (delta states + W keys/values per kept layer); replaces "
+                          "the window of layers that are already sliding (Mistral). Default: kept layers stay as "
+                          "in the source"},
+    )
 
     def validate(self) -> None:
         if self.init not in INITS:
@@ -94,6 +101,7 @@ class ConversionSettings:
             raise ValueError(f"--calibration-seq-len must be >= 8, got {self.calibration_seq_len}")
         if self.calibration_steps < 0 or self.conv_kernel_size < 0:
             raise ValueError("--calibration-steps and --conv-kernel-size must be >= 0")
+        check_window(self.attention_window)
 
     def delta_options(self) -> DeltaOptions:
         return DeltaOptions(self.gate, self.conv_kernel_size, self.output_gate, self.allow_neg_eigval, self.chunk_size)
@@ -142,6 +150,9 @@ class ConversionResult:
                 "kept": self.plan.kept,
                 "ranking": self.plan.ranking,
                 "baseline_perplexity": self.plan.baseline_perplexity,
+                "attention_window": self.plan.attention_window,
+                "sliding_window": self.plan.sliding_window,
+                "source_sliding_window": self.plan.source_sliding_window,
             },
             "calibration_tokens": self.calibration_tokens,
             "calibration_text": self.calibration_text,
@@ -183,6 +194,7 @@ def plan_layers(source_config, settings: ConversionSettings, model=None, rank_wi
     `rank_windows`."""
     types = source_layer_types(source_config)
     spec = spec or parse_keep(settings.keep_attention, len(types))
+    windows = dict(window=settings.attention_window, source_window=getattr(source_config, "sliding_window", None))
     if not spec.is_auto:
         text = spec.text.strip().lower()
         if text in ("all", "none", ""):
@@ -191,7 +203,7 @@ def plan_layers(source_config, settings: ConversionSettings, model=None, rank_wi
             rule = f"ratio {text}, uniform from layer 0"
         else:
             rule = f"explicit list {','.join(map(str, spec.layers))}"
-        return make_plan(types, spec.layers, rule)
+        return make_plan(types, spec.layers, rule, **windows)
     if model is None or rank_windows is None:
         raise ValueError("auto layer selection needs the loaded source model and calibration windows")
     baseline, costs = rank_layers_by_bypass(model, rank_windows, settings.bf16, progress)
@@ -199,7 +211,7 @@ def plan_layers(source_config, settings: ConversionSettings, model=None, rank_wi
     ranking = sorted(costs.items(), key=lambda item: (-item[1], item[0]))
     rule = (f"{spec.text}: the {spec.auto_count} layers whose bypass costs most perplexity"
             + (" (layer 0 always kept)" if settings.keep_first_layer else ""))
-    return make_plan(types, kept, rule, ranking=ranking, baseline_perplexity=baseline)
+    return make_plan(types, kept, rule, ranking=ranking, baseline_perplexity=baseline, **windows)
 
 
 def _plan_for(source: Source, tokenizer, settings: ConversionSettings, calibration_texts=None, progress: bool = True,
@@ -220,7 +232,8 @@ def _plan_for(source: Source, tokenizer, settings: ConversionSettings, calibrati
 def build_delta_model(source_model, plan: LayerPlan, settings: ConversionSettings) -> DeltaForCausalLM:
     """A `DeltaForCausalLM` (float32) with the source's weights mapped in and the `copy` init for new ones."""
     check_layout(source_model)
-    config = delta_config_from_source(source_model.config, plan.layer_types, settings.delta_options(), model=source_model)
+    config = delta_config_from_source(source_model.config, plan.layer_types, settings.delta_options(), model=source_model,
+                                      sliding_window=plan.sliding_window)
     torch.manual_seed(settings.seed)
     model = DeltaForCausalLM(config).float().eval()
     kept = set(plan.kept)
@@ -401,7 +414,8 @@ def convert(source, out=None, settings: ConversionSettings | None = None, overwr
 
     if dry_run and not spec.is_auto:
         plan = plan_layers(config, settings, spec=spec)
-        delta_config = delta_config_from_source(config, plan.layer_types, settings.delta_options())
+        delta_config = delta_config_from_source(config, plan.layer_types, settings.delta_options(),
+                                                sliding_window=plan.sliding_window)
         dtype = config.dtype if settings.dtype == "auto" and getattr(config, "dtype", None) else settings.dtype
         dtype = torch.float32 if dtype in ("auto", None) else dtype
         memory = memory_report(_plain_config(config), delta_config, plan.source_types, dtype)
@@ -417,7 +431,7 @@ def convert(source, out=None, settings: ConversionSettings | None = None, overwr
     plan = _plan_for(loaded, loaded.tokenizer, settings, calibration_texts, progress, spec=spec)
     if dry_run:
         delta_config = delta_config_from_source(loaded.config, plan.layer_types, settings.delta_options(),
-                                                model=loaded.model)
+                                                model=loaded.model, sliding_window=plan.sliding_window)
         memory = memory_report(_plain_config(loaded.config), delta_config, plan.source_types,
                                _output_dtype(settings, loaded.model), source_parameters=count_parameters(loaded.model))
         result = ConversionResult(None, plan, settings, memory, ref, loaded.name, getattr(config, "model_type", None))

@@ -48,11 +48,13 @@ def _token_ids(source_config) -> dict:
 
 
 def delta_config_from_source(source_config, layer_types: list[str], options: DeltaOptions | None = None,
-                             model=None) -> DeltaConfig:
+                             model=None, sliding_window: int | None = None) -> DeltaConfig:
     """A `DeltaConfig` with the source's sizes, norms, positions and biases and the given layer types.
 
     Delta layers get one state per query head (k/v repeated over the GQA groups), head dims equal to the
     source's, no activation after the short conv (it would distort the copied q/k/v), a SiLU output gate.
+    `sliding_window` is the window of the `sliding_attention` layers (a plan's `sliding_window`); left out,
+    they keep the source's.
     """
     options = options or DeltaOptions()
     cfg = source_config
@@ -63,6 +65,7 @@ def delta_config_from_source(source_config, layer_types: list[str], options: Del
     if rope is None:
         rope = {"rope_type": "default", "rope_theta": float(getattr(cfg, "rope_theta", 10000.0))}
     sliding = any(t == "sliding_attention" for t in layer_types)
+    window = sliding_window if sliding_window is not None else getattr(cfg, "sliding_window", None)
     return DeltaConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -83,7 +86,7 @@ def delta_config_from_source(source_config, layer_types: list[str], options: Del
         mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
         use_qk_norm=_has_qk_norm(cfg, model),
         layer_types=list(layer_types),
-        sliding_window=cfg.sliding_window if sliding else None,
+        sliding_window=window if sliding else None,
         linear_gate=options.gate,
         linear_num_heads=heads,
         linear_key_head_dim=head_dim,
