@@ -64,7 +64,8 @@ def test_killed_and_resumed_run_ends_with_the_same_weights(tmp_path):
     assert steps == list(range(1, 13))
     checkpoint = latest_checkpoint(tmp_path / "resumed" / "checkpoints")
     assert {p.name for p in checkpoint.iterdir()} == {
-        "trainable.safetensors", "optimizer.safetensors", "optimizer.json", "state.json"
+        "trainable.safetensors", "optimizer.safetensors", "optimizer.json", "state.json",
+        "rng-rank0.safetensors", "rng-rank0.json",
     }
 
 

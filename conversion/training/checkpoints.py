@@ -3,7 +3,9 @@
 A checkpoint folder `checkpoints/step-000123/` holds
 * `trainable.safetensors`: the parameters being trained (by name),
 * `optimizer.safetensors` + `optimizer.json`: the optimizer's tensors and the rest of its state dict,
-* `state.json`: step, tokens seen, the scheduler's state and anything the caller adds.
+* `state.json`: step, tokens seen, the scheduler's state and anything the caller adds,
+* `rng-rank{i}.safetensors` + `rng-rank{i}.json`, one pair per process: the random number generators of
+  process `i` (torch CPU and CUDA, Python `random`, NumPy), so that dropout continues exactly on resume.
 It is written under a temporary name and renamed when complete; `checkpoints/latest` names the newest
 complete one. No pickle is written or read. A checkpoint that is damaged (a truncated file, a missing one,
 JSON that does not parse) is skipped for the newest usable one (`find_checkpoint`).
@@ -13,9 +15,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 from pathlib import Path
+
+import numpy
 
 import torch
 from safetensors import safe_open
@@ -57,6 +62,50 @@ def _optimizer_from_files(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
+def rng_state() -> dict:
+    """This process's random number generator states: `{"tensors": {...}, "json": {...}}` (no pickle needed).
+
+    Tensors: the torch CPU generator, each CUDA device's generator (when CUDA is up) and NumPy's MT19937 key;
+    JSON: Python `random`'s state and the rest of NumPy's."""
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for index, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{index}"] = state
+    kind, key, position, has_gauss, cached = numpy.random.get_state()
+    tensors["numpy_key"] = torch.from_numpy(numpy.asarray(key, dtype=numpy.int64))
+    version, internal, gauss = random.getstate()
+    meta = {"python": {"version": version, "internal": list(internal), "gauss": gauss},
+            "numpy": {"kind": kind, "position": int(position), "has_gauss": int(has_gauss), "cached": float(cached)}}
+    return {"tensors": tensors, "json": meta}
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state` returned (CUDA generators only where this process has as many devices)."""
+    tensors, meta = state["tensors"], state["json"]
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda = sorted((k for k in tensors if k.startswith("torch_cuda_")), key=lambda k: int(k.rsplit("_", 1)[1]))
+    if cuda and torch.cuda.is_available() and torch.cuda.device_count() >= len(cuda):
+        torch.cuda.set_rng_state_all([tensors[k] for k in cuda])
+    python = meta["python"]
+    random.setstate((python["version"], tuple(python["internal"]), python["gauss"]))
+    kind = meta["numpy"]
+    numpy.random.set_state((kind["kind"], tensors["numpy_key"].numpy().astype(numpy.uint32), kind["position"],
+                            kind["has_gauss"], kind["cached"]))
+
+
+def _rng_files(folder: Path, rank: int) -> tuple[Path, Path]:
+    return folder / f"rng-rank{rank}.safetensors", folder / f"rng-rank{rank}.json"
+
+
+def load_rng_state(path: str | Path, rank: int) -> dict | None:
+    """The generator states process `rank` saved in checkpoint `path`, or None when it has none (an older
+    checkpoint, or one written by fewer processes)."""
+    tensors_path, json_path = _rng_files(Path(path), rank)
+    if not (tensors_path.is_file() and json_path.is_file()):
+        return None
+    return {"tensors": load_file(tensors_path), "json": json.loads(json_path.read_text())}
+
+
 def _step_folders(folder: Path) -> list[Path]:
     """The `step-*` folders under `folder`, oldest first."""
     found = [p for p in folder.glob("step-*") if _STEP_NAME.fullmatch(p.name) and p.is_dir()]
@@ -70,8 +119,11 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     state: dict,
     keep: int = 2,
+    rng_states: list[dict] | None = None,
 ) -> Path:
     """Write checkpoint `step` under `folder` atomically and point `latest` at it; keep the newest `keep`.
+
+    `rng_states` holds one `rng_state()` per process, by rank (default: this process's alone).
 
     An interrupted write leaves nothing behind: the partial folder is removed (now, or at the next save when
     the process was killed) and `latest` still names the previous checkpoint.
@@ -91,6 +143,10 @@ def save_checkpoint(
         _save_tensors(tensors, partial / "optimizer.safetensors")
         (partial / "optimizer.json").write_text(json.dumps(meta))
         (partial / "state.json").write_text(json.dumps({**state, "step": step}, indent=1))
+        for rank, rng in enumerate(rng_states if rng_states is not None else [rng_state()]):
+            tensors_path, json_path = _rng_files(partial, rank)
+            _save_tensors({k: v.detach().cpu().contiguous() for k, v in rng["tensors"].items()}, tensors_path)
+            json_path.write_text(json.dumps(rng["json"]))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         pointer.write_text(final.name)
@@ -112,7 +168,7 @@ def checkpoint_problem(path: str | Path) -> str | None:
     for name in FILES:
         if not (path / name).is_file():
             return f"{name} is missing"
-    for name in ("trainable.safetensors", "optimizer.safetensors"):
+    for name in ["trainable.safetensors", "optimizer.safetensors"] + sorted(p.name for p in path.glob("rng-rank*.safetensors")):
         try:
             with safe_open(str(path / name), "pt"):  # checks the header and that the file is complete
                 pass

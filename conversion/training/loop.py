@@ -23,11 +23,12 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
+from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from .checkpoints import find_checkpoint, has_checkpoints, latest_checkpoint, load_checkpoint, parameter_mismatch, \
-    save_checkpoint
+from .checkpoints import find_checkpoint, has_checkpoints, latest_checkpoint, load_checkpoint, load_rng_state, \
+    parameter_mismatch, rng_state, save_checkpoint, set_rng_state
 
 MIXED_PRECISIONS = ("no", "bf16", "fp16")
 
@@ -192,6 +193,16 @@ def _check_same_run(path: Path, saved: dict, run: dict, shapes: dict[str, list])
             )
 
 
+def _restore_rng(path: Path, accelerator: Accelerator) -> None:
+    """Set this process's random generators to those saved in checkpoint `path`; say so when it has none."""
+    saved = load_rng_state(path, accelerator.process_index)
+    if saved is None:
+        print(f"--resume: {path.name} holds no random generator state for process {accelerator.process_index} "
+              "(an older checkpoint, or fewer processes); dropout will not repeat the interrupted run exactly")
+        return
+    set_rng_state(saved)
+
+
 def _metrics_up_to(metrics_path: Path, step: int) -> list[str]:
     """The lines of `metrics_path` up to `step`; a line cut short by a killed process is dropped."""
     kept = []
@@ -303,14 +314,19 @@ def run_training(
     rank_slice = slice(accelerator.process_index * micro // world, (accelerator.process_index + 1) * micro // world)
     start, started_at_step = time.perf_counter(), step
 
+    if path is not None:  # the generators as they were after the checkpoint's step: dropout continues exactly
+        _restore_rng(path, accelerator)
+
     def save(at_step: int, loss: float) -> None:
+        rng_states = gather_object([rng_state()])  # every process's generators, by rank (main writes them)
         if accelerator.is_main_process:
             unwrapped = {n: p for n, p in named_trainable.items()}
             save_checkpoint(checkpoint_dir, at_step, unwrapped, optimizer.optimizer if hasattr(optimizer, "optimizer")
                             else optimizer, {"tokens": at_step * tokens_per_step, "scheduler": scheduler.state_dict(),
                                              "evaluations": evaluations, "loss": loss, "run": run,
                                              "trainable": shapes,
-                                             "seconds": earlier_seconds + time.perf_counter() - start})
+                                             "seconds": earlier_seconds + time.perf_counter() - start},
+                            rng_states=rng_states)
         accelerator.wait_for_everyone()
 
     every = lambda tokens: max(1, tokens // tokens_per_step) if tokens else 0  # noqa: E731
