@@ -46,6 +46,8 @@ def conversion_card(result, model_path: str = ".", has_tokenizer: bool = True) -
 
     from delta_attention import __version__
 
+    from ..converter.layer_plan import layer_name
+
     plan, settings, memory = result.plan, result.settings, result.memory
     ref = result.source_ref
     tags = ["delta-attention", "linear-attention", "converted", f"{settings.gate}-gate"]
@@ -57,7 +59,7 @@ def conversion_card(result, model_path: str = ".", has_tokenizer: bool = True) -
     )
     config = result.model.config
     layer_rows = [
-        {"index": i, "source": LAYER_NAMES[s], "target": LAYER_NAMES[t]}
+        {"index": i, "source": layer_name(s, plan.source_sliding_window), "target": layer_name(t, plan.sliding_window)}
         for i, (s, t) in enumerate(zip(plan.source_types, plan.layer_types))
     ]
     ranking = None
@@ -102,8 +104,10 @@ def conversion_card(result, model_path: str = ".", has_tokenizer: bool = True) -
         calibration_summary=summary,
         layer_errors=_round_list(sorted(errors.items())) if errors else None,
         evaluation=result.evaluation_text(),
+        attention_window=plan.attention_window,
         memory_dtype=memory.dtype_name,
         memory_rows=memory.rows(),
+        cache_bound=None if memory.converted_cache.bound is None else f"{memory.converted_cache.bound:,}",
         model_path=model_path,
         has_tokenizer=has_tokenizer,
     )
