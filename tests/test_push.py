@@ -1,17 +1,24 @@
 """`push` against a local stand-in of the Hub reached through HF_ENDPOINT: what is committed, and refusals."""
 
+import hashlib
 import importlib
 import json
 import os
+import re
 import socket
+import subprocess
+import sys
 
+import huggingface_hub.constants
 import pytest
 import requests
+import torch
 import yaml
 from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.errors import OfflineModeIsEnabled
 
 from conftest import HYBRID_LAYERS, tiny_delta_model, tiny_tokenizer
+from isolated import LOADER
 from delta_attention.conversion.publishing import hub as hub_module
 from delta_attention.conversion.publishing.hub import PushOptions, is_pickle_name, push
 from delta_attention.scripts.cli import main
@@ -43,9 +50,11 @@ model = AutoModelForCausalLM.from_pretrained("some/local/folder")
 
 @pytest.fixture
 def hub(monkeypatch):
+    """The stand-in Hub; the client uploads large files through LFS (the stand-in does not speak Xet)."""
     with FakeHub() as server:
         monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
         monkeypatch.setenv("HF_TOKEN", TOKEN)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
         yield server
 
 
@@ -292,3 +301,117 @@ def test_network_errors_become_one_line_that_never_shows_the_token(hub, tmp_path
         push(PushOptions(folder=str(folder), repo_id="me/x"))
     assert TOKEN not in str(failed.value) and "\n" not in str(failed.value)
     assert "Nothing was pushed; the local folder is unchanged." in str(failed.value)
+
+
+# --------------------------------------------------------------------------------------------------- LFS
+
+def test_safetensors_go_up_through_lfs_with_their_sha256_and_size(hub, model_folder):
+    push(PushOptions(folder=str(model_folder), repo_id="me/tiny-delta"))
+    weights = (model_folder / "model.safetensors").read_bytes()
+    oid = hashlib.sha256(weights).hexdigest()
+    commit = hub.commits[0]
+    assert commit["lfs_files"]["model.safetensors"] == {"path": "model.safetensors", "algo": "sha256", "oid": oid,
+                                                        "size": len(weights)}
+    assert hub.lfs_objects[oid] == weights and commit["files"]["model.safetensors"] == weights
+    assert {"oid": oid, "size": len(weights)} in hub.lfs_verified
+    assert [o["oid"] for batch in hub.lfs_batches for o in batch["objects"]] == [oid]  # only the weights
+    assert "config.json" not in commit["lfs_files"] and "README.md" not in commit["lfs_files"]
+    assert hub.xet_requests == []
+
+
+def test_a_client_that_speaks_xet_is_refused_in_one_clear_line(hub, model_folder, monkeypatch):
+    pytest.importorskip("hf_xet")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", False)
+    with pytest.raises(ValueError, match="501 Not Implemented") as failed:
+        push(PushOptions(folder=str(model_folder), repo_id="me/tiny-delta"))
+    assert hub.xet_requests and hub.commits == [] and "\n" not in str(failed.value)
+
+
+# ----------------------------------------------------------------------- real cards: no local path, usage runs
+
+LLAMA = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+FAST = ["--calibration-seq-len", "32", "--calibration-tokens", "64", "--init", "copy", "--quiet"]
+TRAIN = ["--seq_len", "16", "--batch_size", "2", "--mixed_precision", "no"]
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """What the commands write from a tiny Llama source: `convert`, `distill` and `finetune --merge` folders."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("written")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**LLAMA)).save_pretrained(root / "source")
+    tiny_tokenizer().save_pretrained(root / "source")
+    (root / "train.txt").write_text(" ".join(f"w{i % 50}" for i in range(2000)))
+    assert main(["convert", str(root / "source"), "--out", str(root / "converted"), "--keep-attention", "0",
+                 *FAST]) == 0
+    assert main(["distill", str(root / "converted"), "--teacher", str(root / "source"), "--output_dir",
+                 str(root / "distill"), "--dataset", str(root / "train.txt"), "--eval_dataset",
+                 str(root / "train.txt"), "--stage1_tokens", "64", "--stage2_tokens", "64", "--eval_tokens", "64",
+                 "--lora_r", "2", *TRAIN]) == 0
+    assert main(["finetune", str(root / "converted"), "--dataset", str(root / "train.txt"), "--output_dir",
+                 str(root / "finetune"), "--max_tokens", "64", "--lora_r", "2", "--merge", *TRAIN]) == 0
+    return {"root": root, "converted": root / "converted", "distilled": root / "distill" / "model",
+            "finetuned": root / "finetune" / "merged"}
+
+
+KINDS = ["converted", "distilled", "finetuned"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("base_model", [None, "HuggingFaceTB/SmolLM2-135M"])
+def test_no_path_of_this_machine_leaves_it_in_any_pushed_file(hub, written, kind, base_model):
+    folder, root = written[kind], str(written["root"])
+    (folder / "notes.txt").write_text(f"trained from {root}/source on {root}/train.txt; home {os.path.expanduser('~')}\n")
+    if kind == "converted":
+        assert f"source: `{root}/source`" in (folder / "README.md").read_text()  # the card names its source
+    push(PushOptions(folder=str(folder), repo_id=f"me/tiny-{kind}", base_model=base_model))
+    files = hub.commits[0]["files"]
+    assert {"README.md", "config.json", "notes.txt", "model.safetensors"} <= set(files)
+    home = os.path.expanduser("~").encode()
+    leaks = [name for name, content in files.items() if root.encode() in content or home in content]
+    assert leaks == []
+    assert "train.txt" in files["notes.txt"].decode()  # a path becomes its file name
+    if base_model and kind == "converted":
+        assert f"`{base_model}`" in files["README.md"].decode()  # the card's source line: the base model's id
+        assert json.loads(files["conversion.json"])["source"]["spec"] == base_model
+    (folder / "notes.txt").unlink()
+
+
+def python_block(card_text: str) -> str:
+    blocks = re.findall(r"```python\n(.*?)```", card_text, flags=re.S)
+    assert len(blocks) == 1, card_text
+    return blocks[0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_usage_snippet_of_every_written_card_runs_as_written_without_the_package(written, kind, tmp_path):
+    folder = written[kind]
+    code = python_block((folder / "README.md").read_text())
+    code = hub_module._point_usage_at(code, str(folder))  # the snippet as it reads once the folder is on the Hub
+    block = LOADER.split("import torch")[0]  # the meta-path finder that blocks delta_attention
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-c", block + code + "\nprint(type(model).__name__, len(tokenizer))"],
+                          env=env, capture_output=True, text=True, cwd=str(tmp_path), stdin=subprocess.DEVNULL,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["DeltaForCausalLM", "97"]
+
+
+def test_a_merged_fine_tune_has_a_card_with_its_recipe(written):
+    card = ModelCard.load(written["finetuned"] / "README.md")
+    assert "fine-tuned" in card.data.tags and card.data.library_name == "transformers"
+    assert "`converted`" in card.text and "`train.txt`" in card.text  # base and data, by name
+    assert "LoRA: rank 2, alpha 32, dropout 0.05, target modules `all-linear`, merged" in card.text
+    assert re.search(r"64 tokens in \d+ steps, learning rate 0.0002; final training loss \d", card.text)
+    assert str(written["root"]) not in card.text
+
+
+def test_the_adapter_card_snippet_trusts_the_remote_code(hub, written, tmp_path):
+    push(PushOptions(folder=str(written["root"] / "finetune" / "adapter"), repo_id="me/tiny-lora",
+                     base_model="me/tiny-converted"))
+    code = python_block(hub.commits[0]["files"]["README.md"].decode())
+    assert code.count("trust_remote_code=True") == 2 and "import delta_attention" not in code

@@ -1,5 +1,6 @@
 """Model cards rendered from the templates in `model_cards/` with `huggingface_hub.ModelCard`: the converted
-model's card (`conversion_card`) and the distilled model's (`distilled_card`, with `results_table`)."""
+model's card (`conversion_card`), the distilled model's (`distilled_card`, with `results_table`) and the merged
+fine-tuned model's (`finetuned_card`)."""
 
 from __future__ import annotations
 
@@ -199,4 +200,36 @@ def results_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["conversion_card", "distilled_card", "render", "results_table", "template_path"]
+# ----------------------------------------------------------------------------------------------- fine-tuned
+
+
+def finetuned_card(model: str, dataset: str, summary: dict, seq_len: int | None = None) -> ModelCard:
+    """A `ModelCard` for a merged fine-tuned model: `model` is the base given to `finetune`, `summary` its
+    results (tokens, steps, final_loss, learning_rate, lora; `heldout_ppl` when measured)."""
+    from ..converter.sources import looks_like_hub_id
+
+    base_is_hub = not Path(model).exists() and looks_like_hub_id(model)
+    base_name = model if base_is_hub else Path(model).name
+    model_name = f"{base_name.split('/')[-1]}-finetuned"
+    heldout = summary.get("heldout_ppl")
+    eval_name = _display(summary.get("eval_dataset")) or "held-out text"
+    eval_results = None
+    if heldout is not None:
+        eval_results = [EvalResult(task_type="text-generation", dataset_type="text", dataset_name=eval_name,
+                                   metric_type="perplexity", metric_value=round(heldout, 3))]
+    data = ModelCardData(library_name="transformers", pipeline_tag="text-generation",
+                         base_model=model if base_is_hub else None, model_name=model_name, eval_results=eval_results,
+                         tags=["delta-attention", "linear-attention", "fine-tuned", "lora"])
+    loss = summary.get("final_loss")
+    return render(
+        "finetuned.md", data,
+        model_name=model_name, base_name=base_name, base_is_hub=base_is_hub,
+        dataset=_display(dataset), seq_len=seq_len, lora=summary["lora"],
+        tokens=f"{summary['tokens']:,}", steps=summary["steps"], learning_rate=summary.get("learning_rate"),
+        final_loss="-" if loss is None else f"{loss:.4g}",
+        heldout=None if heldout is None else f"Perplexity on {eval_name} (not trained on): {heldout:.4g}",
+        model_path=model_name,
+    )
+
+
+__all__ = ["conversion_card", "distilled_card", "finetuned_card", "render", "results_table", "template_path"]

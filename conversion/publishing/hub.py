@@ -3,7 +3,9 @@
 The folder is staged in a temporary copy: the user's folder is never modified. In the copy, the card is
 completed (base_model, license, datasets, tags, library_name, pipeline_tag; model-index as distill/evaluate
 left it; the usage snippet pointed at the repo), an adapter's `base_model_name_or_path` is set to the base
-model's Hub id, and everything goes up in one commit, card included, so no default card is ever written.
+model's Hub id, every absolute path of this machine in any text file (card, JSON, code) is replaced by the base
+model's id or the file's name, and everything goes up in one commit, card included, so no default card is ever
+written.
 Tokens come from the usual huggingface_hub places (`HF_TOKEN`, `hf auth login`); none is printed or written.
 """
 
@@ -153,26 +155,70 @@ def _first_line(text: str, token: str) -> str:
     return lines[0].replace(token, "***") if lines else ""
 
 
-def _without_local_paths(value, replacement):
-    """`value` (JSON data) with every absolute local path replaced by `replacement(path)`."""
-    if isinstance(value, dict):
-        return {k: _without_local_paths(v, replacement) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_without_local_paths(v, replacement) for v in value]
-    if isinstance(value, str) and os.path.isabs(value):
-        return replacement(value)
-    return value
+# an absolute path in text: starts after a non-path character (or after `file://`), runs to whitespace, a quote,
+# a bracket or a separator; URLs (`https://host/path`) do not match since their `/path` follows the host
+_ABSOLUTE_PATH = re.compile(r"(?:(?<=file://)|(?<![\w.~/:-]))/[^\s\"'`<>|:;,()\[\]{}]+")
+MODEL_SUFFIXES = (".gguf", ".safetensors")
 
 
-def scrub_local_paths(staging: Path, base_model: str | None) -> None:
-    """Keep this machine's paths out of the pushed JSON files (the recorded conversion source, mostly)."""
-    for name in ("config.json", "conversion.json"):
-        path = staging / name
-        if path.is_file():
-            data = json.loads(path.read_text())
-            cleaned = _without_local_paths(data, lambda p: base_model or Path(p).name)
-            if cleaned != data:
-                path.write_text(json.dumps(cleaned, indent=2) + "\n")
+def _is_machine_path(path: str) -> bool:
+    """Whether an absolute path in a text names something of this machine (its first part exists here)."""
+    first = path.strip("/").split("/")[0]
+    return bool(first) and os.path.isdir(os.sep + first)
+
+
+def _is_model_path(path: str) -> bool:
+    """Whether a path names a model: a GGUF/safetensors file or a folder holding a config or an adapter."""
+    return path.lower().endswith(MODEL_SUFFIXES) or any(
+        os.path.isfile(os.path.join(path, name)) for name in ("config.json", "adapter_config.json"))
+
+
+def without_local_paths(text: str, base_model: str | None, json_string: bool = False) -> str:
+    """`text` with every absolute path of this machine replaced: a model by `base_model` (when given), anything
+    else, and a model without `base_model`, by its file name (so `/home/me/x/model.gguf` becomes `model.gguf`)."""
+
+    def replace(match: re.Match) -> str:
+        path = match.group(0).rstrip(".")
+        if not _is_machine_path(path):
+            return match.group(0)
+        name = (base_model if base_model and _is_model_path(path) else None) or Path(path).name or "."
+        if json_string:
+            name = json.dumps(name)[1:-1]
+        return name + match.group(0)[len(path):]
+
+    return _ABSOLUTE_PATH.sub(replace, text)
+
+
+def _text_of(path: Path) -> str | None:
+    """The file's text when it is a UTF-8 text file (no NUL byte), else None (weights and other binaries)."""
+    data = path.read_bytes()
+    if b"\0" in data:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def scrub_local_paths(staging: Path, base_model: str | None) -> list[str]:
+    """Keep this machine's paths out of every text file of the staged upload (cards, JSON, code, notes).
+
+    Each absolute path of this machine (the recorded conversion source, a data file, the home folder...) becomes
+    the base model's Hub id when it names a model and one is given, otherwise its file name. Returns the names
+    of the files changed."""
+    changed = []
+    for path in sorted(p for p in staging.rglob("*") if p.is_file()):
+        text = _text_of(path)
+        if text is None:
+            continue
+        cleaned = without_local_paths(text, base_model, json_string=path.suffix.lower() == ".json")
+        home = str(Path.home())
+        if len(home) > 1:  # the home folder written some other way (e.g. after a host): it becomes `~`
+            cleaned = re.sub(re.escape(home) + r"(?![\w.-])", "~", cleaned)
+        if cleaned != text:
+            path.write_text(cleaned, encoding="utf-8")
+            changed.append(str(path.relative_to(staging)))
+    return changed
 
 
 def _point_usage_at(text: str, repo_id: str) -> str:
@@ -236,8 +282,8 @@ def push(options: PushOptions) -> str:
                 config["base_model_name_or_path"] = options.base_model
                 adapter_config.write_text(json.dumps(config, indent=2))
             options = dataclasses.replace(options, base_model=config["base_model_name_or_path"])
-        scrub_local_paths(staging, options.base_model)
         model_card_for_push(staging, kind, options).save(staging / "README.md")
+        scrub_local_paths(staging, options.base_model)  # the card included
 
         api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None, token=token)
         message = options.commit_message or f"Upload delta-attention {kind}"

@@ -114,8 +114,12 @@ def run_finetune(options: FinetuneOptions, data: DataOptions, training: Training
                "tokens_per_s": result.tokens / max(result.seconds, 1e-9),
                "lora": lora.record(), "learning_rate": options.learning_rate}
     if options.merge:
+        from ..publishing.cards import finetuned_card
+
         merged = peft_model.merge_and_unload()
-        atomic_save(lambda folder: save_model_and_tokenizer(merged, tokenizer, folder), out / "merged")
+        card = finetuned_card(options.model, data.dataset, summary, seq_len=data.seq_len)
+        atomic_save(lambda folder: (save_model_and_tokenizer(merged, tokenizer, folder),
+                                    card.save(Path(folder) / "README.md")), out / "merged")
     (out / "results.json").write_text(json.dumps(summary, indent=1))
     plot_metrics({"fine-tuning": result.metrics_path}, out / "metrics.png", title=f"fine-tuning {options.model}")
     run.finish()
