@@ -174,3 +174,38 @@ def test_two_processes_match_one_with_the_same_global_batch(folders, tmp_path):
     assert len(single) == len(double) == 12
     for a, b in zip(single, double):
         assert b == pytest.approx(a, rel=2e-3, abs=2e-4)
+
+
+def test_an_adapter_loads_onto_the_stage_1_model_and_every_perplexity_is_float32(folders, tmp_path, monkeypatch):
+    """`--output adapter`: its recorded base is the stage-1 model, so loading it the normal ways gives the model
+    at the end of stage 2; the table's perplexities are all scored in float32, the students' too."""
+    from peft import AutoPeftModelForCausalLM, PeftModel
+
+    from delta_attention.conversion.data.windows import token_windows
+    from delta_attention.conversion.evaluation.perplexity import perplexity
+
+    ids = torch.tensor(tiny_tokenizer()(words(512, 7))["input_ids"][: 4 * 32]).view(4, 32)
+    original, end_of_stage_2 = pipeline.run_training, {}
+
+    def training_then_recording(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if "stage 2" in kwargs.get("description", ""):
+            student = args[0].student.eval()  # the LogitDistillation objective's PEFT student
+            windows = token_windows(tiny_tokenizer(), [(folders / "eval.txt").read_text()], 32, 1024 // 32)
+            with torch.no_grad():
+                end_of_stage_2.update(logits=student(input_ids=ids).logits, ppl=perplexity(student, windows))
+        return result
+
+    monkeypatch.setattr(pipeline, "run_training", training_then_recording)
+    results = run_distill(*options(folders, tmp_path / "run", output="adapter", mixed_precision="bf16",
+                                   stage1_tokens=4 * 8 * 32, stage2_tokens=4 * 8 * 32))
+    adapter = tmp_path / "run" / "adapter"
+    base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert base == str((tmp_path / "run" / "stage1" / "model").resolve())
+    loaded = [PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).eval(),
+              AutoPeftModelForCausalLM.from_pretrained(adapter).eval()]
+    for model in loaded:
+        with torch.no_grad():
+            assert (model(input_ids=ids).logits - end_of_stage_2["logits"]).abs().max() <= 1e-5
+    assert results["eval_precision"] == "float32"
+    assert results["stage2"]["heldout_ppl"] == pytest.approx(end_of_stage_2["ppl"], rel=1e-6)

@@ -326,3 +326,15 @@ def test_an_interrupted_checkpoint_write_leaves_no_partial_folder(tmp_path, monk
         save_checkpoint(folder, 2, {"weight": weight}, optimizer, {"tokens": 2})
     assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-0000001"]
     assert latest_checkpoint(folder).name == "step-0000001"
+
+
+def test_evaluations_run_without_the_training_autocast(tmp_path):
+    seen = []
+
+    def evaluate(model):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return {"probe": 0.0}
+
+    options = TrainingOptions(batch_size=4, mixed_precision="bf16", eval_every_tokens=2 * 4 * 32)
+    train(tmp_path / "run", options, max_tokens=4 * 4 * 32, evaluate=evaluate)
+    assert seen == [False, False]

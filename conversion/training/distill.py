@@ -164,6 +164,9 @@ def _load_tokenizer(folder: str, fallback):
         return fallback
 
 
+#: the precision of every held-out perplexity in results.json (`eval_precision`)
+EVAL_PRECISION = "float32"
+
 #: LoRA of stage 2 unless the options say otherwise: the copied attention projections, no dropout
 DISTILL_LORA_TARGETS, DISTILL_LORA_DROPOUT = "q_proj,k_proj,v_proj,o_proj", 0.0
 
@@ -191,6 +194,9 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
     out = run.work
     torch.manual_seed(data.seed)
     results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
+    # every perplexity of the table (teacher, untrained, after each stage) is scored the same way: float32
+    # weights, no autocast (the training loop evaluates outside its bf16 autocast)
+    results["eval_precision"] = EVAL_PRECISION
     evaluate = None
     if eval_windows is not None:
         evaluate = HeldoutEvaluator(eval_windows)
@@ -252,6 +258,7 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
             merged = peft_model.merge_and_unload()
             atomic_save(lambda folder: _save_distilled(merged, tokenizer, folder, options, results), out / "model")
         else:
+            _record_adapter_base(peft_model, options, trained_stage1=1 in stages)
             atomic_save(peft_model.save_pretrained, out / "adapter")
         _write_results(out, results)
 
@@ -261,6 +268,17 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
     run.finish()
     print(results_table(results))
     return results
+
+
+def _record_adapter_base(peft_model, options: DistillOptions, trained_stage1: bool) -> None:
+    """Make the adapter name the model it was trained on as its base (`base_model_name_or_path`).
+
+    After stage 1 that is the stage-1 model folder of this run (at its final place, `output_dir/stage1/model`),
+    not the converted `--student`: loading the adapter onto the student would drop what stage 1 learned."""
+    if trained_stage1:
+        base = Path(options.output_dir).resolve() / "stage1" / "model"
+        for config in peft_model.peft_config.values():
+            config.base_model_name_or_path = str(base)
 
 
 def _save_distilled(model, tokenizer, folder: Path, options: DistillOptions, results: dict) -> None:

@@ -241,7 +241,9 @@ def run_training(
     `attention_mask`, ...), or an iterable of `{"input_ids": ...}` rows (streaming).
     `compute_loss(model, batch)` returns `(loss, metrics)`, `batch` being a slice of `blocks`. `parameter_groups` are AdamW groups, each with
     its peak learning rate (`{"params": [...], "lr": ...}`); only their parameters train and are
-    checkpointed. Checkpoints go to `output_dir/checkpoints`, metrics to `output_dir/metrics.jsonl`. With
+    checkpointed. `evaluate(model)` runs every `eval_every_tokens` and at the end, outside the training autocast
+    (no autocast: float32 weights score in float32; a model prepared by accelerate may still autocast inside its
+    own forward under bf16, so `distill` evaluates the bare student). Checkpoints go to `output_dir/checkpoints`, metrics to `output_dir/metrics.jsonl`. With
     `options.resume`, training continues from the newest usable checkpoint there (it must come from a run with
     the same batch, block length, token budget, seed and parameters); without it, existing checkpoints are refused.
     """
@@ -366,7 +368,9 @@ def run_training(
                   "lr": scheduler.get_last_lr()[0], "tokens_per_s": speed, **{k: float(v) for k, v in extra.items()}}
         if evaluate is not None and (step == total_steps or (eval_steps and step % eval_steps == 0)):
             model.eval()
-            with torch.no_grad(), accelerator.autocast():
+            # outside the training autocast: evaluations are scored in the weights' own precision (float32), like
+            # the scores of models that were never trained here
+            with torch.no_grad(), torch.autocast(accelerator.device.type, enabled=False):
                 result = evaluate(accelerator.unwrap_model(model))
             model.train()
             evaluations.append({"step": step, "tokens": record["tokens"], **result})
