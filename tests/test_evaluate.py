@@ -1,6 +1,7 @@
 """`evaluate`: perplexity equals a direct computation, passkey and speed report per length, lm-eval loads the model."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 from conftest import HYBRID_LAYERS, tiny_delta_model, tiny_tokenizer
 from delta_attention.conversion.evaluation.report import EvaluateOptions, run_evaluate
 from delta_attention.conversion.evaluation.perplexity import sliding_nll
-from delta_attention.conversion.evaluation.tasks import passkey_prompt
+from delta_attention.conversion.evaluation.tasks import PASSKEY_FILLER, passkey_accuracy, passkey_prompt
 from delta_attention.conversion.memory import cache_bytes
 
 TEXT = " ".join(f"w{(i * 13) % 90}" for i in range(60))
@@ -50,7 +51,7 @@ def test_evaluate_report_matches_direct_perplexity_and_runs_passkey_and_speed(tm
     result = report["models"][model_folder.name]
     assert result["perplexity"]["perplexity"] == pytest.approx(direct, rel=1e-5)
     assert result["perplexity"]["tokens"] == len(ids) - 1
-    assert set(result["passkey"]) == {48, 96} and all(0.0 <= a <= 1.0 for a in result["passkey"].values())
+    assert set(result["passkey"]) == {48, 96} and all(a in (0.0, 0.5, 1.0) for a in result["passkey"].values())
     assert [s["context"] for s in result["speed"]] == [32, 64] and all(s["ms_per_token"] > 0 for s in result["speed"])
     saved = json.loads((tmp_path / "report" / "report.json").read_text())
     assert set(saved["models"][model_folder.name]["passkey"]) == {"48", "96"}
@@ -58,10 +59,54 @@ def test_evaluate_report_matches_direct_perplexity_and_runs_passkey_and_speed(tm
     assert "## Passkey retrieval accuracy" in markdown and "| 96 tokens |" in markdown
 
 
-def test_passkey_prompt_hides_the_key_at_the_asked_depth():
-    tokenizer = tiny_tokenizer()
-    ids = passkey_prompt(tokenizer, length=200, depth=0.5, passkey=12345)
-    assert 150 <= len(ids) <= 200
+class CharTokenizer:
+    """One token per character (its code point): every text round-trips, digits included."""
+
+    pad_token_id, eos_token_id = 0, 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(int(i)) for i in ids)
+
+
+class KeyReader(torch.nn.Module):
+    """A stand-in model whose greedy continuation is the pass key read from its prompt (or a wrong one)."""
+
+    def __init__(self, right: bool):
+        super().__init__()
+        self.right = right
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def generate(self, ids, **kwargs):
+        key = int(re.search(r"The pass key is (\d+)\.", CharTokenizer().decode(ids[0])).group(1))
+        answer = f" {key if self.right else (key + 1) % 100000}. "
+        return torch.cat([ids, torch.tensor([[ord(c) for c in answer]])], dim=1)
+
+
+def find(haystack: list[int], needle: list[int]) -> int:
+    """Index of the first occurrence of `needle` in `haystack` (-1 when absent)."""
+    return next((i for i in range(len(haystack) - len(needle) + 1) if haystack[i : i + len(needle)] == needle), -1)
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_passkey_prompt_hides_the_key_at_the_asked_depth(depth):
+    tokenizer = CharTokenizer()
+    ids = passkey_prompt(tokenizer, length=2000, depth=depth, passkey=12345).tolist()
+    needle = tokenizer(" The pass key is 12345. Remember it. 12345 is the pass key. ")["input_ids"]
+    question = tokenizer(" What is the pass key? The pass key is")["input_ids"]
+    assert len(ids) == 2000 and ids[-len(question):] == question
+    start = find(ids, needle)
+    filler = len(ids) - len(needle) - len(question)  # filler tokens around the needle
+    sentence = max(len(tokenizer(s + ".")["input_ids"]) for s in PASSKEY_FILLER.split("."))
+    assert start >= 0 and abs(start - depth * filler) <= sentence
+
+
+@pytest.mark.parametrize("right, accuracy", [(True, 1.0), (False, 0.0)])
+def test_passkey_accuracy_counts_right_and_wrong_answers(right, accuracy):
+    result = passkey_accuracy(KeyReader(right), CharTokenizer(), [300, 600], [0.2, 0.8], trials=2, progress=False)
+    assert result == {300: accuracy, 600: accuracy}
 
 
 def test_cache_bytes_counts_kv_and_states():
