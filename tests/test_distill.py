@@ -168,12 +168,20 @@ def test_two_processes_match_one_with_the_same_global_batch(folders, tmp_path):
         env = dict(os.environ, OMP_NUM_THREADS="1")
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
-        return [r["loss"] for r in read_metrics(out / "stage2" / "metrics.jsonl")]
+        losses = [r["loss"] for r in read_metrics(out / "stage2" / "metrics.jsonl")]
+        return losses, AutoModelForCausalLM.from_pretrained(out / "model").state_dict()
 
-    single, double = launch(1, tmp_path / "one"), launch(2, tmp_path / "two")
+    (single, one), (double, two) = launch(1, tmp_path / "one"), launch(2, tmp_path / "two")
     assert len(single) == len(double) == 12
     for a, b in zip(single, double):
         assert b == pytest.approx(a, rel=2e-3, abs=2e-4)
+    # the trained weights too: the losses alone cannot tell averaged gradients from, e.g., unsynchronised ones
+    before = AutoModelForCausalLM.from_pretrained(folders / "student").state_dict()
+    assert one.keys() == two.keys()
+    moved = max((one[name] - before[name]).abs().max().item() for name in one)
+    assert moved > 1e-3  # training changed the weights, so equal weights say something
+    for name in one:
+        assert (one[name] - two[name]).abs().max() <= 2e-5, name
 
 
 def test_an_adapter_loads_onto_the_stage_1_model_and_every_perplexity_is_float32(folders, tmp_path, monkeypatch):

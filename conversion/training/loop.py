@@ -6,6 +6,12 @@ precision (bf16 autocast on CPU too), gradient accumulation, multi-process data 
 non-finite loss that keeps the last good checkpoint, a progress bar with loss, tokens/s and ETA, and
 metrics as JSONL (plotted to PNG by `metrics.py`).
 
+Tested with one process and with DDP (`accelerate launch --num_processes 2 --cpu`). Not FSDP or DeepSpeed:
+checkpoints save the parameter objects captured before `prepare` and the bare optimizer's state dict, which
+under FSDP are local shards, and evaluation runs on the unwrapped module. Supporting FSDP would need full state
+dicts gathered for saving (`accelerator.get_state_dict` / torch.distributed.checkpoint), loading them back
+into the sharded model and optimizer on resume, and evaluating through the wrapped model.
+
 The data order is a pure function of the seed and the step, so a resumed run sees exactly the batches
 the interrupted one would have seen.
 """
