@@ -415,3 +415,15 @@ def test_the_adapter_card_snippet_trusts_the_remote_code(hub, written, tmp_path)
                      base_model="me/tiny-converted"))
     code = python_block(hub.commits[0]["files"]["README.md"].decode())
     assert code.count("trust_remote_code=True") == 2 and "import delta_attention" not in code
+
+
+def test_a_recorded_source_that_is_gone_still_becomes_the_base_model_id(hub, tmp_path):
+    folder = small_model_folder(tmp_path / "model")
+    gone = str(tmp_path / "moved-away" / "source")
+    (folder / "config.json").write_text(json.dumps({"conversion_source": gone}))
+    (folder / "README.md").write_text(f"source: `{gone}`, data {tmp_path}/train.jsonl\n")
+    push(PushOptions(folder=str(folder), repo_id="me/x", base_model="me/base"))
+    files = hub.commits[0]["files"]
+    assert json.loads(files["config.json"])["conversion_source"] == "me/base"
+    assert "source: `me/base`, data train.jsonl" in files["README.md"].decode()
+    assert not any(str(tmp_path).encode() in content for content in files.values())

@@ -173,15 +173,17 @@ def _is_model_path(path: str) -> bool:
         os.path.isfile(os.path.join(path, name)) for name in ("config.json", "adapter_config.json"))
 
 
-def without_local_paths(text: str, base_model: str | None, json_string: bool = False) -> str:
-    """`text` with every absolute path of this machine replaced: a model by `base_model` (when given), anything
-    else, and a model without `base_model`, by its file name (so `/home/me/x/model.gguf` becomes `model.gguf`)."""
+def without_local_paths(text: str, base_model: str | None, json_string: bool = False,
+                        models: frozenset[str] = frozenset()) -> str:
+    """`text` with every absolute path of this machine replaced: a model (or one of `models`, paths recorded as
+    models) by `base_model` when given, anything else by its file name (`/home/me/x/notes.txt` -> `notes.txt`)."""
 
     def replace(match: re.Match) -> str:
         path = match.group(0).rstrip(".")
         if not _is_machine_path(path):
             return match.group(0)
-        name = (base_model if base_model and _is_model_path(path) else None) or Path(path).name or "."
+        is_model = path.rstrip("/") in models or _is_model_path(path)
+        name = (base_model if base_model and is_model else None) or Path(path).name or "."
         if json_string:
             name = json.dumps(name)[1:-1]
         return name + match.group(0)[len(path):]
@@ -200,18 +202,35 @@ def _text_of(path: Path) -> str | None:
         return None
 
 
+def _recorded_models(staging: Path) -> frozenset[str]:
+    """The model paths the staged JSON records (conversion source, `_name_or_path`, an adapter's base), so they
+    count as models even once gone from this machine."""
+    found = set()
+    for name, keys in (("config.json", ("conversion_source", "_name_or_path")),
+                       ("adapter_config.json", ("base_model_name_or_path",)), ("conversion.json", ())):
+        try:
+            data = json.loads((staging / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict):
+            continue
+        values = [data.get(key) for key in keys] + [(data.get("source") or {}).get("spec")]
+        found.update(v.rstrip("/") for v in values if isinstance(v, str) and os.path.isabs(v))
+    return frozenset(found)
+
+
 def scrub_local_paths(staging: Path, base_model: str | None) -> list[str]:
     """Keep this machine's paths out of every text file of the staged upload (cards, JSON, code, notes).
 
     Each absolute path of this machine (the recorded conversion source, a data file, the home folder...) becomes
     the base model's Hub id when it names a model and one is given, otherwise its file name. Returns the names
     of the files changed."""
-    changed = []
+    changed, models = [], _recorded_models(staging)
     for path in sorted(p for p in staging.rglob("*") if p.is_file()):
         text = _text_of(path)
         if text is None:
             continue
-        cleaned = without_local_paths(text, base_model, json_string=path.suffix.lower() == ".json")
+        cleaned = without_local_paths(text, base_model, path.suffix.lower() == ".json", models)
         home = str(Path.home())
         if len(home) > 1:  # the home folder written some other way (e.g. after a host): it becomes `~`
             cleaned = re.sub(re.escape(home) + r"(?![\w.-])", "~", cleaned)
