@@ -14,8 +14,13 @@ chunks does two small matmuls per chunk. The backward recomputes the intra-chunk
 through the chunks in reverse (the same two matmuls) and is otherwise batched too. It saves only the chunked
 inputs, the state entering each chunk and V'.
 
-Tensors live in a chunked layout [B, H, N, C, D]. q and k share one buffer [B, H, N, 2, C, K] so that both score
-matrices come out of one matmul. With bf16 inputs the matmuls run in bf16 (this CPU has fast bf16 dot products)
+Tensors live in a chunk-major layout [N, B, H, C, D]. q and k share one buffer [N, B, H, G + 1, C, K] so that all
+score matrices come out of one matmul: [..., :G] are the queries, [..., G] (the last) the key. G is 1 without GQA;
+with a GQA-shared state (q with G times as many heads as k) H counts KV heads and the G query heads reading a KV
+head's state are stacked next to its key: every key-side term (the UT transform, V', the states) is computed once per
+KV head, the query-side ones (scores, outputs) once per query head, with the group folded into the rows of the
+batched matmuls ([G * C, K] query blocks).
+With bf16 inputs the matmuls run in bf16 (this CPU has fast bf16 dot products)
 while decays, the triangular inverse and the state stay float32.
 """
 
@@ -131,14 +136,15 @@ class _Scores:
       exp(-LOG_SPAN_LIMIT): factored through the log-decay at the start of each row's sub-block.
     (A per-channel decay beyond that takes the exact elementwise path of `delta_reference.py`.)
 
-    `forward()` gives [..., 2, C, C]: [0] = Q K^T . Gamma masked to i <= t, [1] = K K^T . Gamma with only its
-    strict lower triangle meaningful (the rest is finite garbage that the callers never read).
+    `qk` is [..., G + 1, C, K]: G query blocks, then the key. `forward()` gives [..., G + 1, C, C]: [:-1] = Q K^T .
+    Gamma per query block, masked to i <= t, [-1] = K K^T . Gamma with only its strict lower triangle meaningful
+    (the rest is finite garbage that the callers never read).
     """
 
     def __init__(self, qk, qk_decayed, log_decay, decay, channel: bool):
         self.qk, self.qk_decayed, self.channel = qk, qk_decayed, channel
         self.chunk = qk.shape[-2]
-        self.k = qk[..., 1, :, :]
+        self.k = qk[..., -1, :, :]
         self.mask = torch.ones(self.chunk, self.chunk, dtype=torch.bool, device=qk.device).tril()
         if log_decay is None:
             self.mode, self.right = "factored", self.k
@@ -163,35 +169,36 @@ class _Scores:
             self.left = (log_decay - reference.repeat_interleave(self.sub, dim=-2)).exp_()  # [..., C, K]
             right = (reference[..., :, None, :] - log_decay[..., None, :, :]).clamp_max_(LOG_SPAN_LIMIT).exp_()
             self.right_scale = right  # [..., n_sub, C, K]
-            self.x = qk * _as(self.left, qk.dtype)[..., None, :, :]  # [..., 2, C, K]
+            self.x = qk * _as(self.left, qk.dtype)[..., None, :, :]  # [..., G + 1, C, K]
             self.y = self.k[..., None, :, :] * _as(right, qk.dtype)  # [..., n_sub, C, K]
 
     def forward(self) -> torch.Tensor:
-        """[..., 2, C, C] in the matmul dtype (float32 for "gamma"), M masked (see the class docstring)."""
+        """[..., G + 1, C, C] in the matmul dtype (float32 for "gamma"), M masked (see the class docstring)."""
         if self.mode == "factored":
-            scores = self.qk_decayed.flatten(-3, -2) @ self.right.mT  # [..., 2C, C]
-            scores = scores.unflatten(-2, (2, self.chunk))
+            scores = self.qk_decayed.flatten(-3, -2) @ self.right.mT  # [..., (G + 1) C, C]
+            scores = scores.unflatten(-2, (-1, self.chunk))
         elif self.mode == "gamma":
-            scores = (self.qk.flatten(-3, -2) @ self.k.mT).unflatten(-2, (2, self.chunk))  # [..., 2, C, C]
-            return _as(scores, torch.float32).mul_(self.gamma[..., None, :, :])
+            scores = (self.qk.flatten(-3, -2) @ self.k.mT).unflatten(-2, (-1, self.chunk))  # [..., G + 1, C, C]
+            scores = _as(scores, torch.float32).mul_(self.gamma[..., None, :, :])
         else:
             n_sub, sub = self.chunk // self.sub, self.sub
-            x = self.x.unflatten(-2, (n_sub, sub))  # [..., 2, n_sub, sub, K]
-            scores = (x @ self.y.mT[..., None, :, :, :]).flatten(-3, -2)  # [..., 2, C, C]
-        scores[..., 0, :, :].masked_fill_(~self.mask, 0.0)
+            x = self.x.unflatten(-2, (n_sub, sub))  # [..., G + 1, n_sub, sub, K]
+            scores = (x @ self.y.mT[..., None, :, :, :]).flatten(-3, -2)  # [..., G + 1, C, C]
+        if self.mode != "gamma":  # Gamma is already 0 above the diagonal
+            scores[..., :-1, :, :].masked_fill_(~self.mask, 0.0)
         return scores
 
     def backward(self, grad: torch.Tensor, gated: torch.Tensor):
-        """Gradients of `sum(grad * scores)` for a masked float32 `grad` [..., 2, C, C]; `gated` is `forward()`.
+        """Gradients of `sum(grad * scores)` for a masked float32 `grad` [..., G + 1, C, C]; `gated` is `forward()`.
 
         Returns (d_qk, d_qk_decayed, d_k, d_log), float32 or None where there is none: the gradients with respect
-        to the raw [q; k] and to [Q; K] . exp(G) ([..., 2, C, K]), to the raw k alone ([..., C, K]) and to the
+        to the raw [q; k] and to [Q; K] . exp(G) ([..., G + 1, C, K]), to the raw k alone ([..., C, K]) and to the
         log-decay.
         """
         mm = self.qk.dtype
         if self.mode == "factored":
-            flat = grad.to(mm).flatten(-3, -2)  # [..., 2C, C]
-            d_left = (flat @ self.right).float().unflatten(-2, (2, self.chunk))  # [..., 2, C, K]
+            flat = grad.to(mm).flatten(-3, -2)  # [..., (G + 1) C, C]
+            d_left = (flat @ self.right).float().unflatten(-2, (-1, self.chunk))  # [..., G + 1, C, K]
             d_right = (flat.mT @ self.qk_decayed.flatten(-3, -2)).float()  # [..., C, K]
             if self.right is self.k:  # no decay: left and right are the raw q and k
                 return None, d_left, d_right, None
@@ -199,15 +206,15 @@ class _Scores:
             d_right *= _per_token(self.inverse_decay, self.channel)
             return None, d_left, d_right, d_log
         if self.mode == "gamma":
-            weighted = (grad * self.gamma[..., None, :, :]).to(mm)  # [..., 2, C, C]
-            flat = weighted.flatten(-3, -2)  # [..., 2C, C]
-            d_qk = (flat @ self.k).float().unflatten(-2, (2, self.chunk))  # [..., 2, C, K]
-            d_qk[..., 1, :, :] += _as(flat.mT @ self.qk.flatten(-3, -2), torch.float32)
+            weighted = (grad * self.gamma[..., None, :, :]).to(mm)  # [..., G + 1, C, C]
+            flat = weighted.flatten(-3, -2)  # [..., (G + 1) C, C]
+            d_qk = (flat @ self.k).float().unflatten(-2, (-1, self.chunk))  # [..., G + 1, C, K]
+            d_qk[..., -1, :, :] += _as(flat.mT @ self.qk.flatten(-3, -2), torch.float32)
             contribution = (grad * gated).sum(-3)  # [..., C, C]
             return d_qk, None, None, contribution.sum(-1) - contribution.sum(-2)
         n_sub, sub = self.chunk // self.sub, self.sub
-        grad_mm = grad.to(mm).unflatten(-2, (n_sub, sub))  # [..., 2, n_sub, sub, C]
-        hx = (grad_mm @ self.y[..., None, :, :, :]).flatten(-3, -2).float()  # [..., 2, C, K]
+        grad_mm = grad.to(mm).unflatten(-2, (n_sub, sub))  # [..., G + 1, n_sub, sub, C]
+        hx = (grad_mm @ self.y[..., None, :, :, :]).flatten(-3, -2).float()  # [..., G + 1, C, K]
         d_qk = hx * self.left[..., None, :, :]
         x = self.x.unflatten(-2, (n_sub, sub))
         hy = (grad_mm.mT @ x).sum(-4).float()  # [..., n_sub, C, K]: q rows and k rows summed
@@ -227,7 +234,7 @@ class _ChunkTerms:
         mm = qk.dtype
         value_dim = v.shape[-1]
         self.channel, self.log_decay = channel, log_decay
-        k = qk[..., 1, :, :]
+        k = qk[..., -1, :, :]
 
         if log_decay is None:
             self.decay = self.decay_to_end = self.decay_chunk = None
@@ -241,9 +248,9 @@ class _ChunkTerms:
             self.k_to_end = k * _as(_per_token(self.decay_to_end, channel), mm)  # K . exp(G_C - G)
 
         self.scores = _Scores(qk, self.qk_decayed, log_decay, self.decay, channel)
-        gated = self.scores.forward()  # [..., 2, C, C]: M, then K K^T . Gamma
-        a = _as(gated[..., 1, :, :], torch.float32) * beta[..., :, None]
-        self.m = gated[..., 0, :, :].to(mm)
+        gated = self.scores.forward()  # [..., G + 1, C, C]: M per query block, then K K^T . Gamma
+        a = _as(gated[..., -1, :, :], torch.float32) * beta[..., :, None]
+        self.m = gated[..., :-1, :, :].to(mm)  # [..., G, C, C]
         self.inverse = unit_lower_inverse(a)
         if for_backward:
             self.gated = gated.float()
@@ -251,7 +258,7 @@ class _ChunkTerms:
         rhs = torch.empty(*v.shape[:-1], value_dim + k.shape[-1], dtype=mm, device=v.device)
         beta_mm = _as(beta, mm)[..., None]
         torch.mul(v, beta_mm, out=rhs[..., :value_dim])
-        torch.mul(self.qk_decayed[..., 1, :, :], beta_mm, out=rhs[..., value_dim:])
+        torch.mul(self.qk_decayed[..., -1, :, :], beta_mm, out=rhs[..., value_dim:])
         self.inverse_mm = self.inverse.to(mm)
         self.uw = self.inverse_mm @ rhs  # [..., C, V + K]: U then W
 
@@ -306,14 +313,14 @@ def _segments(n_chunks: int, flat_heads: int):
 def chunk_forward(qk, v, beta, log_decay, state, channel: bool):
     """Chunked delta rule on prepared chunks.
 
-    qk: [N, B, H, 2, C, K] (q unscaled); v: [N, B, H, C, V]; beta: [N, B, H, C] float32;
-    log_decay: None | [N, B, H, C] | [N, B, H, C, K] chunk-local cumsum, float32 (`channel`: the last one);
-    state: [B, H, K, V] float32.
-    Returns (o [N, B, H, C, V] unscaled, states [N + 1, BH, K, V], V' [N, BH, C, V]); states[-1] is the final one.
+    qk: [N, B, H, G + 1, C, K] (G query blocks, then the key; q unscaled); v: [N, B, H, C, V]; beta: [N, B, H, C]
+    float32; log_decay: None | [N, B, H, C] | [N, B, H, C, K] chunk-local cumsum, float32 (`channel`: the last one);
+    state: [B, H, K, V] float32. H counts KV heads (one state each).
+    Returns (o [N, B, H, G, C, V] unscaled, states [N + 1, BH, K, V], V' [N, BH, C, V]); states[-1] is the final one.
     """
-    n_chunks, batch, heads, _, chunk, key_dim = qk.shape
-    value_dim, mm, flat_heads = v.shape[-1], qk.dtype, batch * heads
-    out = torch.empty(n_chunks, batch, heads, chunk, value_dim, dtype=mm, device=qk.device)
+    n_chunks, batch, heads, stacked, chunk, key_dim = qk.shape
+    value_dim, mm, flat_heads, groups = v.shape[-1], qk.dtype, batch * heads, stacked - 1
+    out = torch.empty(n_chunks, batch, heads, groups, chunk, value_dim, dtype=mm, device=qk.device)
     states = torch.empty(n_chunks + 1, flat_heads, key_dim, value_dim, dtype=torch.float32, device=qk.device)
     states[0] = state.reshape(flat_heads, key_dim, value_dim)
     v_new = torch.empty(n_chunks, flat_heads, chunk, value_dim, dtype=mm, device=qk.device)
@@ -321,11 +328,11 @@ def chunk_forward(qk, v, beta, log_decay, state, channel: bool):
         segment = slice(start, end)
         terms = _ChunkTerms(qk[segment], v[segment], beta[segment], _part(log_decay, segment), channel)
         _scan_forward(terms, states[start : end + 1], v_new[segment])
-        # O = Q . exp(G) S + M V', batched over the segment's chunks
-        q_decayed = terms.qk_decayed[..., 0, :, :].reshape(-1, chunk, key_dim)
-        out_flat = out[segment].view(-1, chunk, value_dim)
+        # O = Q . exp(G) S + M V', batched over the segment's chunks, the group folded into the rows: [G C, ...]
+        q_decayed = terms.qk_decayed[..., :-1, :, :].reshape(-1, groups * chunk, key_dim)
+        out_flat = out[segment].view(-1, groups * chunk, value_dim)
         torch.bmm(q_decayed, states[start:end].to(mm).view(-1, key_dim, value_dim), out=out_flat)
-        out_flat.baddbmm_(terms.m.reshape(-1, chunk, chunk), v_new[segment].view(-1, chunk, value_dim))
+        out_flat.baddbmm_(terms.m.reshape(-1, groups * chunk, chunk), v_new[segment].view(-1, chunk, value_dim))
     return out, states, v_new
 
 
@@ -346,9 +353,11 @@ def _scan_backward(terms: _ChunkTerms, grad_out: torch.Tensor, grad_final: torch
     w = uw[..., value_dim:]
     k_to_end = terms.flat(terms.k_to_end)
     decay = terms.chunk_decay()
-    # the parts that do not depend on the state gradient, batched over all chunks
-    m_grad = terms.flat(terms.m.mT @ grad_out)  # [N, BH, C, V]
-    q_grad = terms.flat((terms.qk_decayed[..., 0, :, :].mT @ grad_out).float())  # [N, BH, K, V]
+    # the parts that do not depend on the state gradient, batched over all chunks (and summed over the G query
+    # blocks reading the state: the group folded into the contracted rows)
+    grad_rows = grad_out.flatten(-3, -2)  # [N, B, H, G C, V]
+    m_grad = terms.flat(terms.m.flatten(-3, -2).mT @ grad_rows)  # [N, BH, C, V]
+    q_grad = terms.flat((terms.qk_decayed[..., :-1, :, :].flatten(-3, -2).mT @ grad_rows).float())  # [N, BH, K, V]
     grads = torch.empty(n_chunks + 1, flat_heads, key_dim, value_dim, dtype=torch.float32, device=uw.device)
     if grad_final is None:
         grads[-1].zero_()
@@ -369,10 +378,10 @@ def _scan_backward(terms: _ChunkTerms, grad_out: torch.Tensor, grad_final: torch
 
 
 def chunk_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_final, channel: bool):
-    """Gradients of the chunked delta rule. `grad_out` [N, B, H, C, V] is for the unscaled output; `states` and
+    """Gradients of the chunked delta rule. `grad_out` [N, B, H, G, C, V] is for the unscaled output; `states` and
     `v_new` are what `chunk_forward` returned. Segments run last to first, the state gradient carried between them.
 
-    Returns (dqk [N, B, H, 2, C, K], dv, dbeta, dlog_decay (cumulative, same shape as log_decay), dstate).
+    Returns (dqk [N, B, H, G + 1, C, K], dv, dbeta, dlog_decay (cumulative, same shape as log_decay), dstate).
     """
     n_chunks, batch, heads = qk.shape[:3]
     grad_qk = torch.empty(qk.shape, dtype=torch.float32, device=qk.device)
@@ -399,7 +408,7 @@ def _segment_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_fina
     mm = qk.dtype
     n_chunks, batch, heads, _, chunk, key_dim = qk.shape
     value_dim = v.shape[-1]
-    chunked = (n_chunks, batch, heads)
+    chunked = (n_chunks, batch, heads)  # grad_out: [*chunked, G, C, V]
     terms = _ChunkTerms(qk, v, beta, log_decay, channel, for_backward=True)
     grad_out = grad_out.to(mm)
     grads, grad_v_new = _scan_backward(terms, grad_out, grad_final, value_dim)
@@ -417,19 +426,19 @@ def _segment_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_fina
 
     rhs_v, rhs_k = grad_rhs[..., :value_dim], grad_rhs[..., value_dim:]
     qk_decayed = _as(terms.qk_decayed, torch.float32)
-    kk = terms.gated[..., 1, :, :]
-    grad_beta = (rhs_v * _as(v, torch.float32)).sum(-1) + (rhs_k * qk_decayed[..., 1, :, :]).sum(-1)
+    kk = terms.gated[..., -1, :, :]
+    grad_beta = (rhs_v * _as(v, torch.float32)).sum(-1) + (rhs_k * qk_decayed[..., -1, :, :]).sum(-1)
     grad_beta += (grad_a * kk).sum(-1)
     grad_v = rhs_v * beta[..., None]
 
     # gradients with respect to [Q; K] . exp(G): from the output and from the right-hand side of the solve
     grad_qk_decayed = torch.empty(*qk.shape, dtype=torch.float32, device=qk.device)
-    grad_qk_decayed[..., 0, :, :] = grad_out @ states_mm.mT
-    torch.mul(rhs_k, beta[..., None], out=grad_qk_decayed[..., 1, :, :])
+    grad_qk_decayed[..., :-1, :, :] = grad_out @ states_mm.mT[..., None, :, :]  # every query block reads S
+    torch.mul(rhs_k, beta[..., None], out=grad_qk_decayed[..., -1, :, :])
 
-    grad_scores = torch.empty(*qk.shape[:-2], chunk, chunk, dtype=torch.float32, device=qk.device)  # [..., 2, C, C]
-    grad_scores[..., 0, :, :] = (grad_out @ v_new.mT).tril_()  # dM
-    torch.mul(grad_a, beta[..., :, None], out=grad_scores[..., 1, :, :])  # d(K K^T . Gamma)
+    grad_scores = torch.empty(*qk.shape[:-2], chunk, chunk, dtype=torch.float32, device=qk.device)  # [..., G+1, C, C]
+    grad_scores[..., :-1, :, :] = (grad_out @ v_new.mT[..., None, :, :]).tril_()  # dM per query block
+    torch.mul(grad_a, beta[..., :, None], out=grad_scores[..., -1, :, :])  # d(K K^T . Gamma)
     grad_qk_raw, grad_qk_decayed_scores, grad_k_raw, grad_log = terms.scores.backward(grad_scores, terms.gated)
     if grad_qk_decayed_scores is not None:
         grad_qk_decayed += grad_qk_decayed_scores
@@ -441,7 +450,7 @@ def _segment_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_fina
         grad_qk = grad_qk_decayed * _per_token(terms.decay, channel)[..., None, :, :]
     if grad_qk_raw is not None:
         grad_qk += grad_qk_raw
-    grad_k = grad_qk[..., 1, :, :]
+    grad_k = grad_qk[..., -1, :, :]
     if grad_k_raw is not None:
         grad_k += grad_k_raw
     if log_decay is None:
@@ -465,14 +474,17 @@ def _segment_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_fina
 
 
 def _prepare(q, k, v, beta, g, chunk):
-    """Chunked, layout-converted inputs: qk [N, B, H, 2, C, K], v [N, B, H, C, V] (bf16 if q is bf16, else
-    float32), beta [N, B, H, C] and the chunk-local cumulative log-decay, float32."""
+    """Chunked, layout-converted inputs: qk [N, B, Hkv, G + 1, C, K] (the G query heads reading each KV head's
+    state, then its key), v [N, B, Hkv, C, V] (bf16 if q is bf16, else float32), beta [N, B, Hkv, C] and the
+    chunk-local cumulative log-decay, float32. G = 1 without GQA."""
     mm = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
-    batch, seq_len, heads, key_dim = q.shape
+    batch, seq_len, heads, key_dim = k.shape
+    groups = q.shape[2] // heads
     n_chunks = -(-seq_len // chunk)
-    qk = q.new_empty((n_chunks, batch, heads, 2, chunk, key_dim), dtype=mm)
-    to_chunks(q, chunk, mm, out=qk[:, :, :, 0])
-    to_chunks(k, chunk, mm, out=qk[:, :, :, 1])
+    qk = q.new_empty((n_chunks, batch, heads, groups + 1, chunk, key_dim), dtype=mm)
+    for j in range(groups):  # query heads j, G + j, 2G + j, ... read KV heads 0, 1, 2, ...
+        to_chunks(q[:, :, j::groups], chunk, mm, out=qk[:, :, :, j])
+    to_chunks(k, chunk, mm, out=qk[:, :, :, -1])
     v_c = to_chunks(v, chunk, mm)
     beta_c = to_chunks(beta, chunk, torch.float32)
     log_decay = None if g is None else to_chunks(g, chunk, torch.float32).cumsum_(3)
@@ -484,7 +496,7 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, beta, g, initial_state, scale, chunk_size, channel):
-        batch, seq_len, heads, key_dim = q.shape
+        batch, seq_len, heads, key_dim = k.shape  # heads: KV heads
         value_dim = v.shape[-1]
         qk, v_c, beta_c, log_decay = _prepare(q, k, v, beta, g, chunk_size)
         if initial_state is None:
@@ -496,14 +508,14 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
         final = states[-1].clone().view(batch, heads, key_dim, value_dim)
         ctx.meta = (seq_len, scale, q.dtype, k.dtype, v.dtype, beta.dtype, None if g is None else g.dtype,
                     initial_state is not None, channel)
-        return from_chunks(o, seq_len, v.dtype, scale), final
+        return from_chunks(o.flatten(2, 3), seq_len, v.dtype, scale), final  # [N, B, Hkv G, C, V] -> [B, T, H, V]
 
     @staticmethod
     def backward(ctx, grad_out, grad_final):
         qk, v_c, beta_c, log_decay, states, v_new = ctx.saved_tensors
         seq_len, scale, q_dtype, k_dtype, v_dtype, beta_dtype, g_dtype, has_state, channel = ctx.meta
-        chunk = qk.shape[-2]
-        grad_out_c = to_chunks(grad_out, chunk, qk.dtype)
+        chunk, kv_heads = qk.shape[-2], qk.shape[2]
+        grad_out_c = to_chunks(grad_out, chunk, qk.dtype).unflatten(2, (kv_heads, -1))  # [N, B, Hkv, G, C, V]
         grad_out_c.mul_(scale)
         grad_qk, grad_v, grad_beta, grad_log, grad_state = chunk_backward(
             qk, v_c, beta_c, log_decay, states, v_new, grad_out_c, grad_final, channel
@@ -514,8 +526,8 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
             grad_log = grad_log.flip(dim).cumsum(dim).flip(dim)
             grad_g = from_chunks(grad_log, seq_len, g_dtype)
         return (
-            from_chunks(grad_qk[:, :, :, 0], seq_len, q_dtype),
-            from_chunks(grad_qk[:, :, :, 1], seq_len, k_dtype),
+            from_chunks(grad_qk[:, :, :, :-1].flatten(2, 3), seq_len, q_dtype),  # query head h = G * kv + j
+            from_chunks(grad_qk[:, :, :, -1], seq_len, k_dtype),
             from_chunks(grad_v, seq_len, v_dtype),
             from_chunks(grad_beta, seq_len, beta_dtype),
             grad_g,
@@ -538,8 +550,8 @@ def channel_decay_fits(g: torch.Tensor, chunk_size: int) -> bool:
 
 
 def fast_chunk_delta_rule(q, k, v, beta, g=None, initial_state=None, scale=None, chunk_size=64, gate=None):
-    """Chunked delta rule through `ChunkDeltaRuleFunction` (see `delta_rule.chunk_delta_rule` for the contract);
-    `gate` is `gate_kind(g)`, computed when not given."""
+    """Chunked delta rule through `ChunkDeltaRuleFunction` (see `delta_rule.chunk_delta_rule` for the contract,
+    GQA included: q may have G times as many heads as k); `gate` is `gate_kind(g)`, computed when not given."""
     gate = gate_kind(g) if gate is None else gate
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return ChunkDeltaRuleFunction.apply(q, k, v, beta, g, initial_state, scale, chunk_size, gate == "channel")

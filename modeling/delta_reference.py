@@ -17,6 +17,11 @@ Shapes (fla's layout):
 Every function returns `(o, final_state)` with `o` of shape [B, T, H, V] in `v`'s dtype.
 State and accumulation are float32 whatever the input dtype.
 
+GQA-shared state (`head_groups`): q may have H = G * Hkv heads while k, v, beta, g and the state have Hkv. Then one
+state per KV head is written by that head's k, v, beta, g and read by its group of G queries: query head h reads
+state h // G, and o is [B, T, H, V]. It is exactly the computation with k, v, beta, g repeated over each group
+(`repeat_interleave(G, dim=2)`), whose G copies of a state stay equal; the kernels compute the shared terms once.
+
 `delta_rule_reference` is the definition everything else is tested against (slow). `chunk_delta_rule_elementwise`
 is the chunked form written plainly: a second reference, and the exact path `delta_rule.chunk_delta_rule` takes
 for per-channel decays too steep for the fast kernel of `delta_chunk.py` (docs/design.md, "Chunked form").
@@ -43,6 +48,21 @@ def gate_kind(g: torch.Tensor | None) -> str:
     raise ValueError(f"g must be None, [B, T, H] or [B, T, H, K], got shape {tuple(g.shape)}")
 
 
+def head_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                g: torch.Tensor | None) -> int:
+    """G, the query heads per KV head: q [B, T, G * Hkv, K] against k [B, T, Hkv, K], v [B, T, Hkv, V],
+    beta [B, T, Hkv], g [B, T, Hkv(, K)]. 1 without GQA. Checks the shapes agree."""
+    batch, seq_len, heads, key_dim = q.shape
+    kv_heads = k.shape[2]
+    if k.shape != (batch, seq_len, kv_heads, key_dim) or heads % kv_heads:
+        raise ValueError(f"k must be [B, T, Hkv, K] with Hkv dividing q's heads: q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
+    for name, x, dims in (("v", v, 4), ("beta", beta, 3), ("g", g, None)):
+        if x is not None and (x.shape[:3] != (batch, seq_len, kv_heads) or (dims and x.dim() != dims)):
+            raise ValueError(f"{name} must have k's [B, T, Hkv] = {(batch, seq_len, kv_heads)}, got {tuple(x.shape)}")
+    return heads // kv_heads
+
+
 def start_state(
     initial_state: torch.Tensor | None, batch: int, heads: int, key_dim: int, value_dim: int, device
 ) -> torch.Tensor:
@@ -64,9 +84,13 @@ def expand_decay(decay: torch.Tensor, gate: str) -> torch.Tensor:
 def delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                          g: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
                          scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The delta rule one token at a time, written as the definition reads. Slow; for tests."""
+    """The delta rule one token at a time, written as the definition reads. Slow; for tests.
+
+    GQA (see the module docstring): q [B, T, G * Hkv, K], everything else per KV head; query head h reads state
+    h // G."""
     gate = gate_kind(g)
-    batch, seq_len, heads, key_dim = q.shape
+    groups = head_groups(q, k, v, beta, g)
+    batch, seq_len, heads, key_dim = k.shape  # heads: KV heads
     value_dim = v.shape[-1]
     scale = key_dim**-0.5 if scale is None else scale
     state = start_state(initial_state, batch, heads, key_dim, value_dim, q.device).clone()
@@ -74,10 +98,13 @@ def delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta
     for t in range(seq_len):
         if g is not None:
             state = state * expand_decay(g[:, t].float().exp(), gate)
-        k_t, v_t, q_t = k[:, t].float(), v[:, t].float(), q[:, t].float() * scale
+        k_t, v_t = k[:, t].float(), v[:, t].float()
+        q_t = q[:, t].float().unflatten(1, (heads, groups)) * scale  # [B, Hkv, G, K]
         v_old = torch.einsum("bhkv,bhk->bhv", state, k_t)  # what the memory returns for k_t
         state = state + torch.einsum("bhk,bhv->bhkv", k_t, beta[:, t, :, None].float() * (v_t - v_old))
-        outputs.append(torch.einsum("bhkv,bhk->bhv", state, q_t))
+        outputs.append(torch.einsum("bhkv,bhgk->bhgv", state, q_t).flatten(1, 2))  # [B, H, V]
+    if not outputs:
+        return v.new_zeros(batch, 0, heads * groups, value_dim), state
     return torch.stack(outputs, dim=1).to(v.dtype), state
 
 
@@ -142,12 +169,13 @@ def chunk_delta_rule_elementwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         S <- exp(G_C) S + (K . exp(G_C - G))^T V'
     """
     gate = gate_kind(g) if gate is None else gate
-    batch, seq_len, heads, key_dim = q.shape
+    groups = head_groups(q, k, v, beta, g)
+    batch, seq_len, heads, key_dim = k.shape  # heads: KV heads; q has heads * groups
     value_dim = v.shape[-1]
     scale = key_dim**-0.5 if scale is None else scale
     state = start_state(initial_state, batch, heads, key_dim, value_dim, q.device)
     if seq_len == 0:
-        return v.new_zeros(batch, 0, heads, value_dim), state
+        return v.new_zeros(batch, 0, heads * groups, value_dim), state
 
     chunk = chunk_size
     pad = (-seq_len) % chunk
@@ -158,9 +186,11 @@ def chunk_delta_rule_elementwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         x = x.float().movedim(2, 1)
         if pad:
             x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 3) + (0, pad))
-        return x.reshape(batch, heads, n_chunks, chunk, *x.shape[3:])
+        return x.reshape(batch, x.shape[1], n_chunks, chunk, *x.shape[3:])
 
-    q_c, k_c, v_c = to_chunks(q) * scale, to_chunks(k), to_chunks(v)  # [B, H, N, C, K|V]
+    # queries grouped by the KV head they read: [B, Hkv, G, N, C, K]; the key side has no group dimension
+    q_c = to_chunks(q).unflatten(1, (heads, groups)) * scale
+    k_c, v_c = to_chunks(k), to_chunks(v)  # [B, Hkv, N, C, K|V]
     beta_c = to_chunks(beta)  # [B, H, N, C]
     log_decay = to_chunks(g).cumsum(3) if g is not None else None  # [B, H, N, C] or [B, H, N, C, K]
 
@@ -173,21 +203,23 @@ def chunk_delta_rule_elementwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         decay_in = log_decay.exp() if channel else log_decay.exp()[..., None]
         decay_to_end = (last - log_decay).exp() if channel else (last - log_decay).exp()[..., None]
         decay_chunk = last.squeeze(3).exp()  # [B, H, N(, K)]
-        q_decayed, k_decayed, k_to_end = q_c * decay_in, k_c * decay_in, k_c * decay_to_end
+        q_decayed, k_decayed, k_to_end = q_c * decay_in[:, :, None], k_c * decay_in, k_c * decay_to_end
 
     # UT transform: (I + strict_tril(diag(b) K K^T . Gamma)) [U | W] = diag(b) [V | K . exp(G)]
     kk = _decayed_scores(k_c, k_c, log_decay, gate, inclusive=False) * beta_c[..., None]
     rhs = beta_c[..., None] * torch.cat([v_c, k_decayed], dim=-1)
     solved = torch.linalg.solve_triangular(kk, rhs, upper=False, unitriangular=True)
     u, w = solved.split([value_dim, key_dim], dim=-1)
-    qk = _decayed_scores(q_c, k_c, log_decay, gate, inclusive=True)  # [B, H, N, C, C]
+    q_log_decay = None if log_decay is None else log_decay[:, :, None]  # shared by the group
+    qk = _decayed_scores(q_c, k_c[:, :, None], q_log_decay, gate, inclusive=True)  # [B, Hkv, G, N, C, C]
 
     outputs = []
     for n in range(n_chunks):
-        v_new = u[:, :, n] - w[:, :, n] @ state  # [B, H, C, V]
-        outputs.append(q_decayed[:, :, n] @ state + qk[:, :, n] @ v_new)
+        v_new = u[:, :, n] - w[:, :, n] @ state  # [B, Hkv, C, V]
+        shared = state[:, :, None]  # [B, Hkv, 1, K, V], read by the G queries of the group
+        outputs.append(q_decayed[:, :, :, n] @ shared + qk[:, :, :, n] @ v_new[:, :, None])  # [B, Hkv, G, C, V]
         if decay_chunk is not None:
             state = state * expand_decay(decay_chunk[:, :, n], gate)
         state = state + k_to_end[:, :, n].transpose(-1, -2) @ v_new
-    o = torch.stack(outputs, dim=2).reshape(batch, heads, n_chunks * chunk, value_dim)[:, :, :seq_len]
+    o = torch.stack(outputs, dim=3).reshape(batch, heads * groups, n_chunks * chunk, value_dim)[:, :, :seq_len]
     return o.movedim(1, 2).to(v.dtype), state

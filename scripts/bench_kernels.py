@@ -101,13 +101,20 @@ def _step(fn, inputs, backward: bool):
 
 def run_kernel_benchmark(lengths, heads: int = 9, dim: int = 64, peers: bool = True, log=print,
                          peer_budget_seconds: float = 60.0, min_seconds: float = 1.0) -> dict:
-    """Times every (gate, dtype, pass, T) for ours and the peer; returns a JSON-able dict."""
+    """Times every (gate, dtype, pass, T) for ours and the peer, both the same way (`timed`: one warm-up call, then
+    the median of at least `min_repeats` calls and `min_seconds`); returns a JSON-able dict. A peer whose next
+    length would take more than `peer_budget_seconds` in all is skipped from there on."""
     import transformers
 
     transformers.logging.set_verbosity_error()  # the peers warn that they are falling back to torch
     sizes = (1024, 2048) if min_seconds else (256,)
     peak = {"float32": matmul_peak(torch.float32, sizes), "bfloat16": matmul_peak(torch.bfloat16, sizes)}
     log(f"matmul peak: float32 {peak['float32']:.0f} GFLOP/s, bfloat16 {peak['bfloat16']:.0f} GFLOP/s")
+    min_repeats = 3 if min_seconds else 1
+
+    def measure(step) -> float:  # ours and the peer alike
+        return timed(step, min_repeats=min_repeats, min_seconds=min_seconds)
+
     rows = []
     skipped_peer = set()
     for gate in ("scalar", "channel"):
@@ -118,8 +125,7 @@ def run_kernel_benchmark(lengths, heads: int = 9, dim: int = 64, peers: bool = T
                 for seq_len in lengths:
                     inputs = kernel_inputs(gate, seq_len, heads, dim, dtype)
                     flops = chunk_flops(1, seq_len, heads, dim, dim) * (3 if backward else 1)
-                    ours = timed(_step(_ours, inputs, backward), min_repeats=3 if min_seconds else 1,
-                                 min_seconds=min_seconds)
+                    ours = measure(_step(_ours, inputs, backward))
                     row = {
                         "gate": gate, "dtype": dtype_name, "pass": "fwd+bwd" if backward else "fwd", "T": seq_len,
                         "ours_ms": ours * 1e3, "ours_gflops": flops / ours / 1e9,
@@ -127,10 +133,11 @@ def run_kernel_benchmark(lengths, heads: int = 9, dim: int = 64, peers: bool = T
                     }
                     key = (gate, dtype_name, backward)
                     if peers and key not in skipped_peer:
-                        theirs = timed(_step(peer, inputs, backward), min_repeats=1, min_seconds=0.0)
+                        theirs = measure(_step(peer, inputs, backward))
                         row.update(peer_ms=theirs * 1e3, speedup=theirs / ours)
-                        # their time grows at least linearly with T: stop before a run exceeds the budget
-                        if theirs * 4 > peer_budget_seconds:
+                        # their time grows at least linearly with T (the default lengths grow 4x): stop before a
+                        # measurement (warm-up and repeats) would exceed the budget
+                        if theirs * 4 * (1 + min_repeats) > peer_budget_seconds:
                             skipped_peer.add(key)
                     rows.append(row)
                     speed = f", peer {row['peer_ms']:.1f} ms, x{row['speedup']:.1f}" if "peer_ms" in row else ""

@@ -55,18 +55,33 @@ def test_strong_channel_decay_stays_finite_and_exact():
     o_ref, s_ref = delta_rule_reference(q, k, v, beta, g)
     o_chunk, s_chunk = chunk_delta_rule(q, k, v, beta, g)
     assert torch.isfinite(o_chunk).all() and torch.isfinite(s_chunk).all()
-    assert (o_chunk - o_ref).abs().max() <= 1e-5
+    assert (o_chunk - o_ref).abs().max() <= 1e-5 and (s_chunk - s_ref).abs().max() <= 1e-5
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want).norm() / want.norm()).item()
 
 
 @pytest.mark.parametrize("gate", GATES)
-def test_bf16_inputs_keep_a_float32_state(gate):
+@pytest.mark.parametrize("form", ["chunked", "recurrent"])
+def test_bf16_inputs_keep_a_float32_state(gate, form):
+    """bf16 q, k, v: the output comes back in bf16, the state in float32, and both are the float32 result within
+    bf16 rounding. Tolerances (relative error, norm of the difference over the reference's; measured at T = 100):
+    against the float32 reference on the same bf16-rounded inputs, the chunked form (bf16 matmuls) 1.5e-2
+    (measured 3.5e-3 to 5.7e-3); the recurrent form computes in float32 and only rounds its output to bf16
+    (2^-9 per element): output 4e-3 (measured 1.7e-3), state 1e-5 (measured 0). Against the float32 inputs before
+    rounding, 1.5e-2 for both (measured 2.2e-3 to 6.3e-3)."""
     q, k, v, beta, g = delta_rule_inputs(gate, seq_len=100)
-    o32, s32 = chunk_delta_rule(q, k, v, beta, g)
-    o16, s16 = chunk_delta_rule(q.bfloat16(), k.bfloat16(), v.bfloat16(), beta, g)
+    q16, k16, v16 = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    o_rounded, s_rounded = delta_rule_reference(q16.float(), k16.float(), v16.float(), beta, g)
+    o_full, s_full = delta_rule_reference(q, k, v, beta, g)
+    kernel = chunk_delta_rule if form == "chunked" else recurrent_delta_rule
+    o16, s16 = kernel(q16, k16, v16, beta, g)
     assert o16.dtype == torch.bfloat16 and s16.dtype == torch.float32
-    # bf16 rounding of the inputs only: a few percent of the output scale at most
-    assert (o16.float() - o32).abs().max() <= 0.05 * o32.abs().max()
-    assert (s16 - s32).abs().max() <= 0.05 * s32.abs().max()
+    output_tolerance, state_tolerance = (1.5e-2, 1.5e-2) if form == "chunked" else (4e-3, 1e-5)
+    assert relative_error(o16, o_rounded) <= output_tolerance
+    assert relative_error(s16, s_rounded) <= state_tolerance
+    assert relative_error(o16, o_full) <= 1.5e-2 and relative_error(s16, s_full) <= 1.5e-2
 
 
 def test_initial_state_shape_is_checked():

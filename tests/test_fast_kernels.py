@@ -4,13 +4,14 @@ prompts (`DeltaForCausalLM.prefill`), and (only where CUDA and flash-linear-atte
 with ours."""
 
 import functools
+import logging
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from delta_attention.modeling import delta_chunk, delta_fla
+from delta_attention.modeling import delta_chunk, delta_fla, delta_rule
 from delta_attention.modeling.delta_rule import chunk_delta_rule, delta_rule_reference, recurrent_delta_rule
 
 from conftest import HYBRID_LAYERS, delta_rule_inputs, tiny_delta_model
@@ -20,11 +21,10 @@ from recording import record_decoder_calls
 random_inputs = functools.partial(delta_rule_inputs, seq_len=70, heads=2)
 
 
-def score_mode(g, chunk):
-    """Which exact form of the decayed scores the fast kernel picks for this decay (see `delta_chunk._Scores`)."""
-    q, k, v, beta, _ = random_inputs("none", seq_len=g.shape[1], key_dim=g.shape[-1] if g.dim() == 4 else 16)
+def score_mode(q, k, v, beta, g, chunk):
+    """Which exact form of the decayed scores the fast kernel picks for these inputs (see `delta_chunk._Scores`)."""
     qk, _, _, log_decay = delta_chunk._prepare(q, k, v, beta, g, chunk)
-    return delta_chunk._Scores(qk, qk, log_decay, None, channel=g.dim() == 4).mode
+    return delta_chunk._Scores(qk, qk, log_decay, None, channel=g is not None and g.dim() == 4).mode
 
 
 # (gate, decay strength, chunk, score form it exercises)
@@ -39,11 +39,10 @@ CASES = [
 
 
 @pytest.mark.parametrize("gate,decay,chunk,mode", CASES)
-def test_score_forms_are_the_ones_under_test(gate, decay, chunk, mode):
-    if gate == "none":
-        return
-    *_, g = random_inputs(gate, decay=decay)
-    assert score_mode(g, chunk) == mode
+@pytest.mark.parametrize("seq_len", [70, 130])
+def test_score_forms_are_the_ones_under_test(gate, decay, chunk, mode, seq_len):
+    """Every case's inputs (those of the forward test below: no decay, mild, steep) select the form it names."""
+    assert score_mode(*random_inputs(gate, seq_len=seq_len, decay=decay), chunk) == mode
 
 
 @pytest.mark.parametrize("gate,decay,chunk,mode", CASES)
@@ -131,18 +130,22 @@ def test_bf16_inputs_stay_within_bf16_rounding(gate):
 
 
 @pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
-def test_inplace_decode_step_updates_the_given_state(gate):
-    q, k, v, beta, g = random_inputs(gate, seq_len=1)
+@pytest.mark.parametrize("seq_len", [1, 3])
+def test_inplace_decode_step_updates_the_given_state(gate, seq_len):
+    q, k, v, beta, g = random_inputs(gate, seq_len=seq_len)
     state = torch.randn(2, 2, 16, 8)
-    o_want, s_want = recurrent_delta_rule(q, k, v, beta, g, initial_state=state)
+    original = state.clone()
+    o_want, s_want = delta_rule_reference(q, k, v, beta, g, initial_state=state)
+    assert not torch.allclose(s_want, original)  # the step does change the state
     buffer = state.clone()
     pointer = buffer.data_ptr()
     o, s = recurrent_delta_rule(q, k, v, beta, g, initial_state=buffer, inplace=True)
     assert s is buffer and buffer.data_ptr() == pointer
     assert (o - o_want).abs().max() <= 1e-6 and (buffer - s_want).abs().max() <= 1e-6
-    # without `inplace` the caller's state is left alone
-    recurrent_delta_rule(q, k, v, beta, g, initial_state=state)
-    assert torch.equal(state, state.clone())
+    # without `inplace` the caller's state is left alone and a new one is returned
+    o, s = recurrent_delta_rule(q, k, v, beta, g, initial_state=state)
+    assert s is not state and s.data_ptr() != state.data_ptr() and torch.equal(state, original)
+    assert (o - o_want).abs().max() <= 1e-6 and (s - s_want).abs().max() <= 1e-6
 
 
 def test_model_decode_writes_into_the_cache_buffers():
@@ -261,7 +264,19 @@ def test_benchmark_pipeline_runs_end_to_end(tmp_path):
     assert benchmark.run(options) == 0
     results = json.loads((tmp_path / "benchmark.json").read_text())
     assert {"kernel", "decode", "prefill", "environment"} <= set(results)
-    assert all(row["ours_ms"] > 0 and row["speedup"] > 0 for row in results["kernel"]["rows"])
+    kernel = results["kernel"]
+    measured = {(row["gate"], row["dtype"], row["pass"], row["T"]) for row in kernel["rows"]}
+    assert len(kernel["rows"]) == len(measured) == 8  # every (gate, dtype, pass) at the smoke length, once
+    assert measured == {(gate, dtype, step, 130) for gate in ("scalar", "channel") for dtype in ("float32", "bfloat16")
+                        for step in ("fwd", "fwd+bwd")}
+    table = "\n".join(bench_report.kernel_table(kernel))
+    for row in kernel["rows"]:
+        assert row["ours_ms"] > 0 and row["peer_ms"] > 0
+        assert row["speedup"] == pytest.approx(row["peer_ms"] / row["ours_ms"])
+        peak = kernel["matmul_peak_gflops"][row["dtype"]]
+        assert row["ours_peak_fraction"] == pytest.approx(row["ours_gflops"] / peak)
+        assert f"| {row['gate']} | {row['dtype']} | {row['pass']} | {row['T']} | {row['ours_ms']:,.2f} |" in table
+        assert f"| {row['peer_ms']:,.1f} | {row['speedup']:.1f}x |" in table
     delta_sizes = {row["cache_bytes"] for row in results["decode"]["rows"] if row["model"] == "delta"}
     assert len(delta_sizes) == 1 and min(delta_sizes) > 0  # an all-delta cache does not grow with the context
     assert (tmp_path / "benchmark.png").stat().st_size > 0 and (tmp_path / "copy.png").exists()
@@ -277,32 +292,131 @@ def test_benchmark_pipeline_runs_end_to_end(tmp_path):
     assert "| 512 |" in "\n".join(bench_report.long_table(long_results))
 
 
-@pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
-def test_fla_dispatch_plumbing_with_a_stand_in(monkeypatch, gate):
-    """On CPU, a stand-in with fla's keyword interface (and its `state_v_first` flag) checks what the dispatch
-    hands over: 16-bit q/k/v, float32 [B, H, K, V] state, the K-first layout asked for explicitly."""
+FLA_KERNELS = ("_fla_chunk_delta", "_fla_recurrent_delta", "_fla_chunk_gated", "_fla_recurrent_gated",
+               "_fla_chunk_kda", "_fla_recurrent_kda")
+
+
+def fla_stand_in(monkeypatch) -> list[dict]:
+    """fla "on CUDA" without either: every tensor claims `is_cuda` and fla's six kernels are replaced by a stand-in
+    with fla's keyword interface, `function(q=, k=, v=, beta=, scale=, initial_state=, output_final_state=, g=,
+    state_v_first=)` (q, k, v [B, T, H, D], one head count for all, the state [B, H, K, V] K-first) returning
+    `(o, final_state)`. It computes the per-token reference in float32 and records each call in the list returned.
+    Also resets the entry points' once-only backend log."""
     calls = []
 
     def stand_in(q, k, v, beta, scale, initial_state, output_final_state, g=None, state_v_first=None, **kwargs):
         calls.append(dict(dtype=q.dtype, state=None if initial_state is None else initial_state.dtype,
-                          state_v_first=state_v_first, gated=g is not None))
-        assert output_final_state and state_v_first is False
+                          state_v_first=state_v_first, gated=g is not None, heads=(q.shape[2], k.shape[2])))
+        assert output_final_state and state_v_first is False and not kwargs
         out, final = delta_rule_reference(q.float(), k.float(), v.float(), beta.float(), g, initial_state, scale)
         return out.to(q.dtype), final
 
-    for name in ("_fla_chunk_delta", "_fla_recurrent_delta", "_fla_chunk_gated", "_fla_recurrent_gated",
-                 "_fla_chunk_kda", "_fla_recurrent_kda"):
+    for name in FLA_KERNELS:
         monkeypatch.setattr(delta_fla, name, stand_in, raising=False)
     monkeypatch.setattr(delta_fla, "_FLA_IMPORTED", True)
+    monkeypatch.setattr(delta_rule, "_LOGGED", set(), raising=False)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    return calls
+
+
+def bf16_inputs(gate, **kwargs):
+    """`random_inputs` rounded to bf16 (g, a log-decay, stays float32): what fla's kernels run as they are."""
+    q, k, v, beta, g = random_inputs(gate, **kwargs)
+    return q.bfloat16(), k.bfloat16(), v.bfloat16(), beta.bfloat16(), g
+
+
+@pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
+def test_fla_dispatch_plumbing_with_a_stand_in(monkeypatch, gate):
+    """What the dispatch hands over when float32 inputs opt in to fla (`allow_bf16=True`): 16-bit q/k/v, float32
+    [B, H, K, V] state, the K-first layout asked for explicitly, the output cast back to float32."""
+    calls = fla_stand_in(monkeypatch)
     q, k, v, beta, g = random_inputs(gate, seq_len=20)
     state = torch.randn(2, 2, 16, 8)
-    o, s = chunk_delta_rule(q, k, v, beta, g, initial_state=state)
+    o, s = chunk_delta_rule(q, k, v, beta, g, initial_state=state, allow_bf16=True)
     o1, s1 = recurrent_delta_rule(q[:, :1], k[:, :1], v[:, :1], beta[:, :1], None if g is None else g[:, :1],
-                                  initial_state=state, inplace=True)
+                                  initial_state=state, allow_bf16=True)
     monkeypatch.undo()
     o_ref, s_ref = delta_rule_reference(q, k, v, beta, g, initial_state=state)
     assert len(calls) == 2 and all(c["dtype"] == torch.bfloat16 and c["state"] == torch.float32 for c in calls)
     assert all(c["gated"] == (gate != "none") for c in calls)
     assert o.dtype == torch.float32 and (o - o_ref).abs().max() <= 2e-2 and (s - s_ref).abs().max() <= 2e-2
     assert (o1 - o_ref[:, :1]).abs().max() <= 2e-2
+
+
+@pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
+def test_fla_decode_step_honours_inplace(monkeypatch, gate):
+    """On fla's recurrent kernels too, `inplace=True` leaves the new state in the caller's buffer (the cache's)."""
+    calls = fla_stand_in(monkeypatch)
+    q, k, v, beta, g = bf16_inputs(gate, seq_len=1)
+    buffer = torch.randn(2, 2, 16, 8)
+    _, s_want = delta_rule_reference(q, k, v, beta, g, initial_state=buffer)
+    pointer = buffer.data_ptr()
+    _, s = recurrent_delta_rule(q, k, v, beta, g, initial_state=buffer, inplace=True)
+    monkeypatch.undo()
+    assert len(calls) == 1  # the fla path ran
+    assert s is buffer and buffer.data_ptr() == pointer and (buffer - s_want).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
+def test_float32_inputs_stay_float32_with_fla_installed(monkeypatch, gate):
+    """float32 inputs on CUDA run the float32 torch kernels (fla would compute in bf16) unless the caller opts in."""
+    calls = fla_stand_in(monkeypatch)
+    q, k, v, beta, g = random_inputs(gate, seq_len=20)
+    state = torch.randn(2, 2, 16, 8)
+    o, s = chunk_delta_rule(q, k, v, beta, g, initial_state=state)
+    o1, s1 = recurrent_delta_rule(q, k, v, beta, g, initial_state=state)
+    monkeypatch.undo()
+    o_ref, s_ref = delta_rule_reference(q, k, v, beta, g, initial_state=state)
+    assert calls == []
+    assert o.dtype == o1.dtype == torch.float32
+    for out, final in ((o, s), (o1, s1)):
+        assert (out - o_ref).abs().max() <= 1e-5 and (final - s_ref).abs().max() <= 1e-5
+
+
+def test_steep_channel_decay_takes_the_exact_path_with_fla_installed(monkeypatch):
+    """The steep per-channel decay of `test_steep_channel_decay_takes_the_exact_elementwise_path` routes to the
+    plain chunked form on CUDA too, not to fla's factorised chunk kernel."""
+    calls = fla_stand_in(monkeypatch)
+    q, k, v, beta, g = bf16_inputs("channel", seq_len=40, decay=50.0)
+    o, s = chunk_delta_rule(q, k, v, beta, g)
+    monkeypatch.undo()
+    o_exact, s_exact = chunk_delta_rule(q, k, v, beta, g, implementation="elementwise")
+    assert calls == [] and torch.equal(o, o_exact) and torch.equal(s, s_exact)
+
+
+def backend_records(caplog):
+    return [r for r in caplog.records if r.name == delta_rule.__name__]
+
+
+def test_backend_choice_is_logged_once(monkeypatch, caplog):
+    calls = fla_stand_in(monkeypatch)
+    caplog.set_level(logging.INFO, logger=delta_rule.__name__)
+    q, k, v, beta, g = bf16_inputs("scalar", seq_len=20)
+    for _ in range(2):
+        chunk_delta_rule(q, k, v, beta, g)
+        recurrent_delta_rule(q[:, :1], k[:, :1], v[:, :1], beta[:, :1], g[:, :1])
+    monkeypatch.undo()
+    assert len(calls) == 4
+    assert [r.getMessage() for r in backend_records(caplog)] == ["delta rule: fla kernels (CUDA)"]
+
+
+def test_broken_fla_install_is_reported_once_and_falls_back(monkeypatch, caplog):
+    """fla installed but failing to import (here: Triton without a toolchain) is a WARNING naming the error, once;
+    the torch kernels run."""
+    monkeypatch.setattr(delta_fla, "_FLA_IMPORTED", False)
+    monkeypatch.setattr(delta_fla, "_FLA_IMPORT_ERROR", RuntimeError("Triton: no CUDA toolchain"), raising=False)
+    monkeypatch.setattr(delta_rule, "_LOGGED", set(), raising=False)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    caplog.set_level(logging.INFO, logger=delta_rule.__name__)
+    q, k, v, beta, g = bf16_inputs("scalar", seq_len=20)
+    o, s = chunk_delta_rule(q, k, v, beta, g)
+    chunk_delta_rule(q, k, v, beta, g)
+    monkeypatch.undo()
+    o_fast, s_fast = chunk_delta_rule(q, k, v, beta, g, implementation="fast")
+    assert torch.equal(o, o_fast) and torch.equal(s, s_fast)
+    records = backend_records(caplog)
+    assert [(r.levelno, r.getMessage()) for r in records] == [
+        (logging.WARNING, "delta rule: torch kernels: fla import failed: RuntimeError: Triton: no CUDA toolchain")]
+    assert delta_fla.import_failure(ModuleNotFoundError("No module named 'fla'", name="fla")) == "fla not installed"
+    assert delta_fla.import_failure(ModuleNotFoundError("No module named 'triton'", name="triton")) == (
+        "fla import failed: ModuleNotFoundError: No module named 'triton'")
