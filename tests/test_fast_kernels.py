@@ -236,11 +236,11 @@ def test_fla_kernels_match_ours_on_cuda(gate):
     state = torch.randn(2, 4, 64, 64) * 0.1
     want_o, want_s = chunk_delta_rule(q, k, v, beta, g, initial_state=state, implementation="fast")
     cuda = [x.cuda() if x is not None else None for x in (q, k, v, beta, g, state)]
-    got_o, got_s = chunk_delta_rule(*cuda[:5], initial_state=cuda[5])  # auto: fla's chunk kernels (bf16)
+    got_o, got_s = chunk_delta_rule(*cuda[:5], initial_state=cuda[5], allow_bf16=True)  # fla's chunk kernels (bf16)
     assert (got_o.cpu() - want_o).norm() <= 2e-2 * want_o.norm()
     assert (got_s.cpu() - want_s).norm() <= 2e-2 * want_s.norm()
     step = [x[:, :1] if x is not None else None for x in cuda[:5]]
-    got_o1, got_s1 = recurrent_delta_rule(*step, initial_state=cuda[5])  # fla's fused recurrent kernels
+    got_o1, got_s1 = recurrent_delta_rule(*step, initial_state=cuda[5], allow_bf16=True)  # fla's fused recurrent
     want_o1, want_s1 = recurrent_delta_rule(*[x.cpu() if x is not None else None for x in step], initial_state=state)
     assert (got_o1.cpu() - want_o1).norm() <= 2e-2 * want_o1.norm()
     assert (got_s1.cpu() - want_s1).norm() <= 2e-2 * want_s1.norm()
