@@ -42,6 +42,10 @@ class DeltaLinearAttentionLayer(LinearAttentionLayer):
             self.seen_tokens += new_tokens
         return states
 
+    def replace_conv_state(self, window: torch.Tensor, state_idx: int = 0) -> None:
+        """Overwrite the conv window [B, D, K] in place (the model keeps the last *unmasked* inputs there)."""
+        self.conv_states[state_idx].copy_(window)
+
     def get_seq_length(self) -> int:
         """The number of tokens folded into this layer's state."""
         return self.seen_tokens

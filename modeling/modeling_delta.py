@@ -21,6 +21,7 @@ from transformers.masking_utils import (
     create_causal_mask,
     create_recurrent_attention_mask,
     create_sliding_window_causal_mask,
+    find_packed_sequence_indices,
 )
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -34,6 +35,7 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
@@ -81,6 +83,36 @@ class DeltaHeadRMSNorm(nn.Module):
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
         return (self.weight.view(self.num_heads, self.head_dim) * hidden_states).to(input_dtype)
+
+
+class PackedDocuments:
+    """The documents packed into the rows of a batch (position ids restarting at 0, as `DataCollatorWithFlattening`
+    produces), and the maps between the packed rows and a right-padded batch of one document per row.
+
+    A delta layer runs that batch with a zero state and an empty conv window per document, so each document is
+    computed exactly as it would be alone (docs/design.md, "Pitfalls handled")."""
+
+    def __init__(self, document_ids: torch.Tensor):
+        # document_ids [B, T]: 0, 0, 1, 1, 1, 2, ... per row (`find_packed_sequence_indices`)
+        batch, seq_len = document_ids.shape
+        counts = document_ids[:, -1] + 1  # documents per row [B]
+        flat = (document_ids + (counts.cumsum(0) - counts)[:, None]).reshape(-1)  # global document of each token
+        self.num_documents = int(counts.sum())
+        token = torch.arange(batch * seq_len, device=flat.device)
+        first = torch.full((self.num_documents,), batch * seq_len, device=flat.device)
+        first = first.scatter_reduce(0, flat, token, "amin")  # first token of each document
+        self.max_length = int(torch.bincount(flat, minlength=self.num_documents).max())
+        self.slots = flat * self.max_length + token - first[flat]  # [B * T]: where each token goes in the batch
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """[B, T, D] -> [documents, longest, D], each document from position 0, zeros after its end."""
+        rows = packed.new_zeros(self.num_documents * self.max_length, packed.shape[-1])
+        rows = rows.index_copy(0, self.slots, packed.reshape(-1, packed.shape[-1]))
+        return rows.view(self.num_documents, self.max_length, -1)
+
+    def pack(self, rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """Inverse of `unpack`: [documents, longest, D] -> the shape of `like`, [B, T, D]."""
+        return rows.reshape(-1, rows.shape[-1]).index_select(0, self.slots).view(*like.shape[:-1], -1)
 
 
 class DeltaAttention(nn.Module):
@@ -142,16 +174,42 @@ class DeltaAttention(nn.Module):
             self.g_proj = nn.Linear(hidden, self.value_dim, bias=True)
             self.gate_act = ACT2FN[config.linear_output_gate_activation]
 
-    def _short_conv(self, mixed_qkv: torch.Tensor, cache: Cache | None) -> torch.Tensor:
-        # mixed_qkv: [B, T, D] -> causal depthwise conv over T, continuing from the cached last inputs
+    def _short_conv(self, mixed_qkv: torch.Tensor, cache: Cache | None, attention_mask: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+        # mixed_qkv: [B, T, D] -> causal depthwise conv over T, continuing from the cached last inputs;
+        # attention_mask [B, T] (2D padding mask) or None
         seq_len = mixed_qkv.shape[1]
         conv_input = mixed_qkv.transpose(1, 2)  # [B, D, T]
         if cache is not None:
             # returns [cached inputs | new inputs] (or the new inputs left-padded on a first call)
             conv_input = cache.update_conv_state(conv_input, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+        if attention_mask is not None:
+            return self.conv_act(self._short_conv_skipping_masked(conv_input, attention_mask, cache).transpose(1, 2))
         out = F.conv1d(conv_input, self.conv1d.weight, padding=self.conv_kernel_size - 1, groups=conv_input.shape[1])
         out = out[..., : conv_input.shape[-1]][..., -seq_len:]
         return self.conv_act(out.transpose(1, 2))
+
+    def _short_conv_skipping_masked(self, conv_input: torch.Tensor, attention_mask: torch.Tensor,
+                                    cache: Cache | None) -> torch.Tensor:
+        """The short conv over each row's unmasked inputs only (docs/design.md, "Padding"): a masked position takes
+        no tap, so the output equals that of the row with its masked tokens removed. conv_input [B, D, P + T] (P
+        cached or zero-padded inputs, all kept, then the T new ones), attention_mask [B, T] -> [B, D, T] (the
+        outputs at masked positions are unused). The cache's conv window becomes the last unmasked inputs."""
+        channels, length = conv_input.shape[1:]
+        keep = F.pad(attention_mask.bool(), (length - attention_mask.shape[1], 0), value=True)  # [B, P + T]
+        # stable sort: each row's kept inputs first, in their order; masked ones (zeros) last
+        order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices
+        compact = conv_input.gather(-1, order[:, None].expand(-1, channels, -1))  # [B, D, P + T]
+        out = F.conv1d(compact, self.conv1d.weight, padding=self.conv_kernel_size - 1, groups=channels)[..., :length]
+        slot = keep.cumsum(-1) - 1  # [B, P + T]: the index of each kept input in `compact` (-1 before the first)
+        taps = slot[:, None, -attention_mask.shape[1] :].clamp(min=0)  # [B, 1, T]
+        out = out.gather(-1, taps.expand(-1, channels, -1))  # [B, D, T]
+        if cache is not None:  # the last K kept inputs, zeros before a row's first: [B, D, K]
+            width = self.conv_kernel_size
+            last = slot[:, -1:] + 1 + torch.arange(width, device=slot.device)  # [B, K], into the padded `compact`
+            window = F.pad(compact, (width, 0)).gather(-1, last[:, None].expand(-1, channels, -1))
+            cache.layers[self.layer_idx].replace_conv_state(window)
+        return out
 
     # ------------------------------------------------------------------------------------------------------
     # parametrisation: the maps from the layer's parameters to decay and beta, next to their inverses
@@ -244,8 +302,12 @@ class DeltaAttention(nn.Module):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
+        documents: PackedDocuments | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, None]:
+        if documents is not None:  # packed rows (no cache): each document alone, from a zero state
+            output, _ = self(documents.unpack(hidden_states))
+            return documents.pack(output, hidden_states), None
         batch, seq_len, _ = hidden_states.shape
         recurrent_state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
 
@@ -253,7 +315,7 @@ class DeltaAttention(nn.Module):
         if attention_mask is not None:  # 2D padding mask: padded positions write nothing and decay nothing
             mixed_qkv = mixed_qkv * attention_mask[:, :, None].to(mixed_qkv.dtype)
         if self.conv_kernel_size > 0:
-            mixed_qkv = self._short_conv(mixed_qkv, cache)
+            mixed_qkv = self._short_conv(mixed_qkv, cache, attention_mask)
         query, key, value = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         query = query.unflatten(-1, (self.num_heads, self.key_head_dim))  # [B, T, H, K]
         key = key.unflatten(-1, (self.num_heads, self.key_head_dim))
@@ -369,12 +431,15 @@ class DeltaDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
+        documents: PackedDocuments | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         if self.layer_type == "linear_attention":
-            hidden_states, _ = self.self_attn(hidden_states, attention_mask=attention_mask, cache=cache, **kwargs)
+            hidden_states, _ = self.self_attn(
+                hidden_states, attention_mask=attention_mask, cache=cache, documents=documents, **kwargs
+            )
         else:
             hidden_states, _ = self.self_attn(
                 hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, cache=cache,
@@ -441,6 +506,23 @@ class DeltaModel(DeltaPreTrainedModel):
             )
         use_delta_layers(cache)
 
+    @staticmethod
+    def _packed_documents(position_ids, attention_mask, cache, batch) -> PackedDocuments | None:
+        """The documents of packed rows: position ids restarting inside a row, with no attention mask (what
+        transformers' masks read as packed sequences too, `find_packed_sequence_indices`). None when not packed."""
+        if position_ids is None or attention_mask is not None or position_ids.shape[-1] < 2:
+            return None
+        document_ids = find_packed_sequence_indices(position_ids.expand(batch, -1))
+        if document_ids is None or not bool(document_ids[:, -1].any()):
+            return None
+        if cache is not None:
+            raise ValueError(
+                "position_ids restart inside a row (packed documents), which is supported only in a forward without a "
+                "cache (training); pass one document per row, or call the model without `cache`."
+            )
+        return PackedDocuments(document_ids)
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -457,6 +539,9 @@ class DeltaModel(DeltaPreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        documents = self._packed_documents(position_ids, attention_mask, cache, inputs_embeds.shape[0])
+        if documents is not None:
+            use_cache = False  # a packed batch is training input: there is no one past to continue
         if use_cache and cache is None:
             cache = DeltaCache(config=self.config)
         if cache is not None:
@@ -487,6 +572,7 @@ class DeltaModel(DeltaPreTrainedModel):
                 position_embeddings=position_embeddings,
                 attention_mask=mask_mapping[decoder_layer.layer_type],
                 cache=cache,
+                documents=documents,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
@@ -508,6 +594,7 @@ class DeltaForCausalLM(DeltaPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     @can_return_tuple
     def forward(
         self,

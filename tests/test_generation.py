@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 
 from conftest import HYBRID_LAYERS, tiny_delta_model
+from delta_attention.modeling.delta_cache import DeltaLinearAttentionLayer
 from recording import record_decoder_calls
 
 LAYOUTS = {"all_delta": ["linear_attention"] * 3, "hybrid": HYBRID_LAYERS}
@@ -36,14 +37,23 @@ def test_greedy_with_cache_equals_recomputing_without(layout, gate):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_beam_search_equals_its_no_cache_run(layout):
+def test_beam_search_equals_its_no_cache_run(layout, monkeypatch):
     model = build(layout)
     input_ids = prompt(batch=2, seed=1)
     kwargs = dict(max_new_tokens=8, num_beams=3, do_sample=False, num_return_sequences=3, early_stopping=True)
+    reorders, reorder = [], DeltaLinearAttentionLayer.reorder_cache
+
+    def spy(layer, beam_idx):
+        reorders.append(beam_idx.clone())
+        return reorder(layer, beam_idx)
+
+    monkeypatch.setattr(DeltaLinearAttentionLayer, "reorder_cache", spy)
     cached = model.generate(input_ids, **kwargs)
     uncached = model.generate(input_ids, use_cache=False, **kwargs)
     assert cached.shape == (6, 17)
     assert torch.equal(cached, uncached)
+    # the delta states really were reordered: some step moved beams, not only kept them in place
+    assert any(not torch.equal(beam_idx, torch.arange(6)) for beam_idx in reorders)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -85,8 +95,13 @@ def test_continuing_from_a_returned_cache(layout):
 def test_sampling_is_reproducible_and_uses_the_cache():
     model = build("hybrid")
     input_ids = prompt(batch=2, seed=5)
+    seen = record_decoder_calls(model)
     torch.manual_seed(11)
-    first = model.generate(input_ids, max_new_tokens=10, do_sample=True, top_k=20, temperature=0.9)
+    first = model.generate(input_ids, max_new_tokens=10, do_sample=True, top_k=20, temperature=0.9,
+                           return_dict_in_generate=True)
+    assert seen == [9] + [1] * 9  # the prompt, then one new token per step: the rest comes from the cache
+    assert first.cache.get_seq_length() == 18
+    first = first.sequences
     torch.manual_seed(11)
     again = model.generate(input_ids, max_new_tokens=10, do_sample=True, top_k=20, temperature=0.9)
     torch.manual_seed(11)
@@ -151,5 +166,9 @@ def test_transformers_chunked_prefill_works_on_delta_caches(layout):
     input_ids = prompt(batch=2, length=70, seed=8)
     model.prefill_piece_size = 0
     one_shot = model.generate(input_ids, max_new_tokens=5, do_sample=False)
-    chunked = model.generate(input_ids, max_new_tokens=5, do_sample=False, prefill_chunk_size=16)
-    assert torch.equal(chunked, one_shot)
+    seen = record_decoder_calls(model)
+    chunked = model.generate(input_ids, max_new_tokens=5, do_sample=False, prefill_chunk_size=16,
+                             return_dict_in_generate=True)
+    assert seen == [16, 16, 16, 16, 6, 1, 1, 1, 1]  # the prompt in chunks of 16, then one token per step
+    assert torch.equal(chunked.sequences, one_shot)
+    assert chunked.cache.get_seq_length() == 74  # 70 prompt tokens and 4 generated ones (the last is not fed)

@@ -120,12 +120,17 @@ def test_logits_to_keep_and_loss():
     assert torch.allclose(full.loss, expected, atol=1e-5)
 
 
-def test_bf16_model_runs_with_float32_states():
-    model = build("hybrid").to(torch.bfloat16)
+def test_bf16_model_runs_with_float32_states_close_to_float32():
+    model = build("hybrid")
+    input_ids = torch.randint(3, 97, (1, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        out = model(torch.randint(3, 97, (1, 40)), use_cache=True)
-    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.logits.float()).all()
+        reference = model(input_ids).logits
+        out = model.to(torch.bfloat16)(input_ids, use_cache=True)
+    assert out.logits.dtype == torch.bfloat16
     assert out.cache.layers[0].recurrent_states[0].dtype == torch.float32
+    # bf16 rounding through 4 layers: measured 1.0% relative (max 0.008 on logits up to 0.69); allowed 3%
+    error = out.logits.float() - reference
+    assert error.norm() <= 3e-2 * reference.norm() and error.abs().max() <= 3e-2
 
 
 @pytest.mark.parametrize(
