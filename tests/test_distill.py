@@ -145,9 +145,9 @@ def test_a_nan_loss_stops_cleanly(folders, tmp_path, monkeypatch):
     original = pipeline.LogitDistillation.forward
     calls = {"n": 0}
 
-    def explode(self, input_ids):
+    def explode(self, input_ids, position_ids=None):
         calls["n"] += 1
-        loss, metrics = original(self, input_ids)
+        loss, metrics = original(self, input_ids, position_ids)
         return (loss * float("nan") if calls["n"] > 12 else loss), metrics
 
     monkeypatch.setattr(pipeline.LogitDistillation, "forward", explode)
@@ -217,3 +217,39 @@ def test_an_adapter_loads_onto_the_stage_1_model_and_every_perplexity_is_float32
             assert (model(input_ids=ids).logits - end_of_stage_2["logits"]).abs().max() <= 1e-5
     assert results["eval_precision"] == "float32"
     assert results["stage2"]["heldout_ppl"] == pytest.approx(end_of_stage_2["ppl"], rel=1e-6)
+
+
+def test_packed_position_ids_reach_the_teacher_and_the_student_in_both_stages(folders):
+    from delta_attention.conversion.data.text import document_position_ids
+    from delta_attention.conversion.training.objectives import AttentionTransfer, LogitDistillation
+
+    teacher = AutoModelForCausalLM.from_pretrained(folders / "teacher").eval()
+    student = AutoModelForCausalLM.from_pretrained(folders / "student").eval()
+    ids = torch.randint(3, 97, (2, 32), generator=torch.Generator().manual_seed(0))
+    ids[:, [9, 20]] = 2  # EOS: three documents per block
+    positions = document_position_ids(ids, 2)
+    seen = []
+
+    def record(name):
+        return lambda module, args, kwargs: seen.append((name, kwargs.get("position_ids", (*args, None)[1])))
+
+    layers = pipeline.delta_layer_indices(student)
+    # the rotary embeddings show the positions each model really used
+    handles = [teacher.model.rotary_emb.register_forward_pre_hook(record("teacher"), with_kwargs=True),
+               student.model.rotary_emb.register_forward_pre_hook(record("student"), with_kwargs=True)]
+    handles += [student.model.layers[i].self_attn.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(("delta layer", kwargs.get("position_ids"))), with_kwargs=True)
+        for i in layers]
+    with torch.no_grad():
+        AttentionTransfer(teacher, student, layers)(ids, positions)
+        assert [name for name, _ in seen] == ["teacher"] + ["delta layer"] * len(layers)
+        assert "forward" not in vars(teacher.model)  # the teacher is left as it was
+        assert [name for name, p in seen if p is None or not torch.equal(p, positions)] == []
+        seen.clear()
+        LogitDistillation(teacher, student)(ids, positions)
+    for handle in handles:
+        handle.remove()
+    # how the student's decoder hands the positions to its delta layers is the model's business
+    models = [(name, p) for name, p in seen if name != "delta layer"]
+    assert [name for name, _ in models] == ["teacher", "student"]
+    assert [name for name, p in models if p is None or not torch.equal(p, positions)] == []

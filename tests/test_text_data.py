@@ -49,12 +49,56 @@ def test_local_files_pack_into_the_expected_blocks(corpus, tokenizer, source, co
 
 
 def test_training_blocks_are_a_tensor_of_the_packed_stream(corpus, tokenizer):
-    options = DataOptions(dataset=str(corpus / "docs.jsonl"), text_column="body", seq_len=8)
+    options = DataOptions(dataset=str(corpus / "docs.jsonl"), text_column="body", seq_len=8, packing="plain")
     blocks = training_blocks(options, tokenizer)
     stream = expected_stream(tokenizer)
     assert isinstance(blocks, torch.Tensor) and blocks.dtype == torch.long
     assert blocks.shape == (len(stream) // 8, 8)
     assert blocks.flatten().tolist() == stream[: blocks.numel()]
+
+
+def expected_positions(ids: list[int], eos: int) -> list[int]:
+    """Positions counted by hand: 0 at the block start and right after each EOS, else one more than before."""
+    positions = []
+    for t, token in enumerate(ids):
+        positions.append(0 if t == 0 or ids[t - 1] == eos else positions[-1] + 1)
+    return positions
+
+
+def test_boundary_packing_restarts_position_ids_after_each_eos(corpus, tokenizer):
+    options = DataOptions(dataset=str(corpus / "docs.jsonl"), text_column="body", seq_len=16)
+    assert options.packing == "boundary"  # the default
+    with pytest.raises(ValueError, match="--packing must be one of boundary, plain, got 'docs'"):
+        DataOptions(packing="docs").validate()
+    blocks = training_blocks(options, tokenizer)
+    plain = training_blocks(DataOptions(**{**options.__dict__, "packing": "plain"}), tokenizer)
+    assert set(blocks) == {"input_ids", "position_ids"} and torch.equal(blocks["input_ids"], plain)
+    eos = tokenizer.eos_token_id
+    assert int((blocks["input_ids"] == eos).sum()) >= 4  # several documents end inside blocks
+    for ids, positions in zip(blocks["input_ids"].tolist(), blocks["position_ids"].tolist()):
+        assert positions == expected_positions(ids, eos)
+    # documents cut by a block boundary start the next block at 0, and none is longer than its own tokens
+    assert blocks["position_ids"][:, 0].eq(0).all()
+    lengths = [len(tokenizer(t)["input_ids"]) for t in DOCS]
+    assert int(blocks["position_ids"].max()) <= max(lengths)
+
+
+def test_boundary_packing_streams_the_same_position_ids_and_resumes_exactly(corpus, tokenizer):
+    from delta_attention.conversion.training.loop import _micro_batches
+
+    options = DataOptions(dataset=str(corpus / "docs.parquet"), seq_len=8, streaming=True, shuffle_buffer=4, seed=1)
+    rows = list(training_blocks(options, tokenizer))
+    for row in rows:
+        assert row["position_ids"] == expected_positions(row["input_ids"], tokenizer.eos_token_id)
+    loaded = training_blocks(DataOptions(dataset=str(corpus / "docs.parquet"), seq_len=8), tokenizer)
+    for blocks in (training_blocks(options, tokenizer), loaded):  # streamed and loaded: resuming at block 6
+        straight = _micro_batches(blocks, 2, seed=3, start_block=0)
+        batches = [next(straight) for _ in range(5)]
+        resumed = _micro_batches(blocks, 2, seed=3, start_block=6)
+        for expected in batches[3:]:
+            got = next(resumed)
+            assert set(got) == {"input_ids", "position_ids"}
+            assert all(torch.equal(got[key], expected[key]) for key in got)
 
 
 def test_streaming_gives_the_same_blocks(corpus, tokenizer):

@@ -6,6 +6,9 @@ A data source is one of
 * a local file or folder of `.txt`, `.jsonl`/`.json` or `.parquet` files;
 * a Hub dataset name, optionally `name:config` (loaded with `datasets.load_dataset`).
 Texts are tokenised, joined with the EOS token between documents and cut into blocks of `seq_len` tokens.
+With `packing="boundary"` (the default) every block comes with `position_ids` that restart at 0 after each EOS
+(a document cut by a block boundary starts its block at 0 too), as transformers' `DataCollatorWithFlattening`
+produces, so that a model which reads document boundaries from restarting positions keeps the documents apart.
 
 Bad input fails with one `ValueError` or `FileNotFoundError` whose message names the file (and line) and the
 fix. Local files are checked before `datasets` reads them (`.txt` lines are UTF-8, each `.jsonl` line is one
@@ -23,6 +26,7 @@ from pathlib import Path
 import datasets
 
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+PACKINGS = ("boundary", "plain")
 LOCAL_HINT = "pass --dataset a local .txt/.jsonl/.parquet file or folder, or builtin:train"
 
 
@@ -40,6 +44,11 @@ class DataOptions:
     streaming: bool = dataclasses.field(default=False, metadata={"help": "stream the dataset instead of loading it"})
     shuffle_buffer: int = dataclasses.field(default=1000, metadata={"help": "blocks in the shuffle buffer when streaming"})
     seed: int = dataclasses.field(default=0, metadata={"help": "seed of the block order"})
+    packing: str = dataclasses.field(
+        default="boundary",
+        metadata={"help": "boundary: position ids restart at 0 after each EOS (documents kept apart); "
+                          "plain: one run of positions per block"},
+    )
 
     def validate(self) -> DataOptions:
         """Raise a `ValueError` naming the flag when an option cannot work (before any data is read)."""
@@ -49,6 +58,8 @@ class DataOptions:
         if self.seq_len < 2:
             raise ValueError(f"--seq_len must be at least 2 (each block predicts its tokens from the ones before), "
                              f"got {self.seq_len}")
+        if self.packing not in PACKINGS:
+            raise ValueError(f"--packing must be one of {', '.join(PACKINGS)}, got {self.packing!r}")
         if self.shuffle_buffer < 1:
             raise ValueError(f"--shuffle_buffer must be at least 1 (1 keeps the file order), got {self.shuffle_buffer}")
         return self
@@ -265,9 +276,26 @@ def pack_blocks(texts, tokenizer, seq_len: int):
     return texts.map(tokenize_and_pack, **kwargs)
 
 
+def document_position_ids(input_ids, eos_token_id: int):
+    """Position ids of `[N, L]` packed blocks that restart at 0 after each `eos_token_id` and at each block start.
+
+    The EOS token itself ends its document (it keeps that document's next position)."""
+    import torch
+
+    index = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
+    starts = torch.zeros_like(input_ids, dtype=torch.bool)
+    starts[..., 0] = True
+    starts[..., 1:] = input_ids[..., :-1] == eos_token_id
+    last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+    return index - last_start
+
+
 def training_blocks(options: DataOptions, tokenizer):
-    """Blocks for training: a `[N, seq_len]` LongTensor (the training loop draws them in a seeded order), or,
-    when streaming, an `IterableDataset` shuffled through a buffer with `options.seed`."""
+    """Blocks for training, drawn by the training loop in a seeded order.
+
+    With `packing="plain"`, or a tokenizer without EOS, a `[N, seq_len]` LongTensor of token ids; with
+    `packing="boundary"` a dict of that (`input_ids`) and its `position_ids` (`document_position_ids`). When
+    streaming, an `IterableDataset` of such rows shuffled through a buffer with `options.seed`."""
     import torch
 
     options.validate()
@@ -275,8 +303,13 @@ def training_blocks(options: DataOptions, tokenizer):
         raise ValueError("builtin:heldout is the evaluation split; train on builtin:train or your own data")
     texts = load_texts(options.dataset, options.dataset_split, options.text_column, options.streaming)
     blocks = pack_blocks(texts, tokenizer, options.seq_len)
+    eos = tokenizer.eos_token_id if options.packing == "boundary" else None
     if options.streaming:
+        if eos is not None:
+            blocks = blocks.map(lambda row: {"position_ids": document_position_ids(
+                torch.tensor(row["input_ids"]), eos).tolist()})
         return blocks.shuffle(seed=options.seed, buffer_size=options.shuffle_buffer)
     if len(blocks) == 0:
         raise ValueError(f"{options.dataset}: not enough text for one block of {options.seq_len} tokens")
-    return torch.tensor(blocks["input_ids"][:], dtype=torch.long)
+    ids = torch.tensor(blocks["input_ids"][:], dtype=torch.long)
+    return ids if eos is None else {"input_ids": ids, "position_ids": document_position_ids(ids, eos)}

@@ -35,6 +35,7 @@ from .objectives import (
     HeldoutEvaluator,
     LogitDistillation,
     add_lora,
+    batch_inputs,
     delta_layer_indices,
     freeze_all,
     stage1_parameters,
@@ -220,7 +221,7 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
             objective = AttentionTransfer(teacher, student, layers)
             started = time.perf_counter()
             result = run_training(
-                objective, lambda module, ids: module(ids), [{"params": params, "lr": options.stage1_lr}], blocks,
+                objective, _objective_loss, [{"params": params, "lr": options.stage1_lr}], blocks,
                 training, out / "stage1", options.stage1_tokens, seed=data.seed,
                 evaluate=(lambda _: evaluate(student)) if evaluate else None, description="stage 1 (attention transfer)",
             )
@@ -244,7 +245,7 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
         objective = LogitDistillation(teacher, peft_model, options.temperature, options.ce_weight)
         started = time.perf_counter()
         result = run_training(
-            objective, lambda module, ids: module(ids), groups, blocks, training, out / "stage2", options.stage2_tokens,
+            objective, _objective_loss, groups, blocks, training, out / "stage2", options.stage2_tokens,
             seed=data.seed + 1,
             evaluate=(lambda _: evaluate(peft_model)) if evaluate else None, description="stage 2 (logit distillation)",
         )
@@ -268,6 +269,12 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
     run.finish()
     print(results_table(results))
     return results
+
+
+def _objective_loss(objective, batch):
+    """The training loop's `compute_loss` for either stage: the objective module on the batch's token ids (and
+    position ids when the blocks are packed with document boundaries)."""
+    return objective(**batch_inputs(batch))
 
 
 def _record_adapter_base(peft_model, options: DistillOptions, trained_stage1: bool) -> None:

@@ -83,9 +83,16 @@ def finetune_rows(options: FinetuneOptions, data: DataOptions, tokenizer):
 
 
 def _loss(model, batch):
-    if isinstance(batch, dict):
-        return model(**batch, use_cache=False).loss, {}
-    return model(input_ids=batch, labels=batch, use_cache=False).loss, {}
+    """Causal LM loss. Packed text with `position_ids` (documents restart at 0): the first token of a document is
+    not a target, as with transformers' `DataCollatorWithFlattening`; chat rows bring their own labels."""
+    if not isinstance(batch, dict):
+        return model(input_ids=batch, labels=batch, use_cache=False).loss, {}
+    if "labels" not in batch:
+        labels = batch["input_ids"].clone()
+        if "position_ids" in batch:
+            labels[batch["position_ids"] == 0] = -100
+        batch = {**batch, "labels": labels}
+    return model(**batch, use_cache=False).loss, {}
 
 
 #: LoRA unless the options say otherwise: every linear layer but the LM head, dropout 0.05

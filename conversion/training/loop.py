@@ -120,11 +120,16 @@ def _map_batch(batch, fn):
     return {key: fn(value) for key, value in batch.items()} if isinstance(batch, dict) else fn(batch)
 
 
+#: the columns of a streamed row that training reads (`position_ids` with packing "boundary")
+_STREAM_KEYS = ("input_ids", "position_ids")
+
+
 def _micro_batches(blocks, batch: int, seed: int, start_block: int) -> Iterator:
     """Micro-batches from position `start_block` of the seeded order.
 
     `blocks` is a `[N, L]` tensor, a dict of such tensors (e.g. input_ids and labels), or an iterable of
-    dicts with `input_ids` (a streaming dataset, read in its own order, skipping what was consumed).
+    dicts with `input_ids` and optionally `position_ids` (a streaming dataset, read in its own order, skipping
+    what was consumed).
     """
     if isinstance(blocks, (torch.Tensor, dict)):
         first = blocks if isinstance(blocks, torch.Tensor) else next(iter(blocks.values()))
@@ -136,13 +141,15 @@ def _micro_batches(blocks, batch: int, seed: int, start_block: int) -> Iterator:
         def rows():
             while True:
                 for row in blocks:
-                    yield torch.as_tensor(row["input_ids"])
+                    yield {key: torch.as_tensor(row[key]) for key in _STREAM_KEYS if key in row}
 
         stream = rows()
         for _ in range(start_block):
             next(stream)
         while True:
-            yield torch.stack([next(stream) for _ in range(batch)])
+            drawn = [next(stream) for _ in range(batch)]
+            stacked = {key: torch.stack([row[key] for row in drawn]) for key in drawn[0]}
+            yield stacked if len(stacked) > 1 else stacked["input_ids"]
 
 
 def _resume_point(checkpoint_dir: Path, resume: bool, description: str, say: Callable[[str], None]) -> Path | None:

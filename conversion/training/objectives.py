@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -49,18 +51,47 @@ class AttentionTransfer(nn.Module):
         self.mixers = nn.ModuleDict({str(i): student.model.layers[i].self_attn for i in self.layers})
         object.__setattr__(self, "teacher", teacher)
 
-    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        activations = collect_teacher_activations(
-            self.teacher, input_ids, self.layers, batch_size=len(input_ids), progress=False
-        )
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """`position_ids` (restarting per packed document) reach the teacher's forward and every delta layer."""
+        with _forward_with(self.teacher.model, position_ids=position_ids):
+            activations = collect_teacher_activations(
+                self.teacher, input_ids, self.layers, batch_size=len(input_ids), progress=False
+            )
         device = input_ids.device
+        extra = {} if position_ids is None else {"position_ids": position_ids}
         errors = {}
         for i in self.layers:
             inputs, targets = activations[i].inputs.to(device), activations[i].outputs.to(device).float()
-            errors[i] = relative_mse(self.mixers[str(i)](inputs)[0], targets)
+            errors[i] = relative_mse(self.mixers[str(i)](inputs, **extra)[0], targets)
         loss = torch.stack(list(errors.values())).mean()
         worst = max(errors, key=lambda i: errors[i].item())
         return loss, {"worst_layer": worst, "worst_layer_mse": errors[worst].item()}
+
+
+@contextlib.contextmanager
+def _forward_with(module: nn.Module, **kwargs):
+    """Within the block, calls of `module` get `kwargs` added (None values are left out): the teacher's decoder is
+    run by `collect_teacher_activations`, which passes only token ids."""
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    if not kwargs:
+        yield
+        return
+    own = vars(module).get("forward")  # an instance attribute already there (e.g. set by accelerate), if any
+    module.forward = functools.partial(module.forward, **kwargs)
+    try:
+        yield
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
+
+
+def batch_inputs(batch) -> dict:
+    """A training batch (token ids, or a dict with `input_ids` and perhaps `position_ids`) as forward arguments."""
+    if isinstance(batch, dict):
+        return {key: batch[key] for key in ("input_ids", "position_ids") if key in batch}
+    return {"input_ids": batch}
 
 
 def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -81,10 +112,11 @@ class LogitDistillation(nn.Module):
         self.student, self.temperature, self.ce_weight = student, temperature, ce_weight
         object.__setattr__(self, "teacher", teacher)
 
-    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """Teacher and student see the same `position_ids` (the same document boundaries when packed)."""
         with torch.no_grad():
-            teacher_logits = self.teacher(input_ids=input_ids, use_cache=False).logits
-        student_logits = self.student(input_ids=input_ids, use_cache=False).logits
+            teacher_logits = self.teacher(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        student_logits = self.student(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
         kl = distillation_kl(student_logits, teacher_logits, self.temperature)
         metrics = {"kl": kl.item()}
         loss = kl
