@@ -159,21 +159,26 @@ def test_a_nan_loss_stops_cleanly(folders, tmp_path, monkeypatch):
 
 def test_two_processes_match_one_with_the_same_global_batch(folders, tmp_path):
     def launch(processes, out):
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--cpu",
-                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        # `--cpu` would start one process whatever --num_processes says; without CUDA, --multi_gpu starts torchrun
+        # workers that train on CPU over gloo
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
+                   *(["--multi_gpu"] if processes > 1 else ["--cpu"]), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                    "-m", "delta_attention.scripts.distill", str(folders / "student"), "--output_dir", str(out),
                    "--stages", "2", "--stage2_tokens", str(12 * 8 * 32), "--eval_tokens", "0", "--lora_r", "4",
                    "--dataset", str(folders / "train.txt"), "--seq_len", "32", "--batch_size", "8",
                    "--mixed_precision", "no", "--stage2_lr", "3e-3"]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
-        losses = [r["loss"] for r in read_metrics(out / "stage2" / "metrics.jsonl")]
-        return losses, AutoModelForCausalLM.from_pretrained(out / "model").state_dict()
+        started = f"stage 2 (logit distillation): {processes} process{'es' if processes > 1 else ''}\n"
+        assert started in done.stdout, done.stdout[-2000:]
+        records = read_metrics(out / "stage2" / "metrics.jsonl")
+        return [(r["loss"], r["grad_norm"]) for r in records], AutoModelForCausalLM.from_pretrained(
+            out / "model").state_dict()
 
     (single, one), (double, two) = launch(1, tmp_path / "one"), launch(2, tmp_path / "two")
     assert len(single) == len(double) == 12
-    for a, b in zip(single, double):
+    for a, b in zip(single, double):  # loss and gradient norm (summed gradients would double it)
         assert b == pytest.approx(a, rel=2e-3, abs=2e-4)
     # the trained weights too: the losses alone cannot tell averaged gradients from, e.g., unsynchronised ones
     before = AutoModelForCausalLM.from_pretrained(folders / "student").state_dict()

@@ -6,7 +6,8 @@ precision (bf16 autocast on CPU too), gradient accumulation, multi-process data 
 non-finite loss that keeps the last good checkpoint, a progress bar with loss, tokens/s and ETA, and
 metrics as JSONL (plotted to PNG by `metrics.py`).
 
-Tested with one process and with DDP (`accelerate launch --num_processes 2 --cpu`). Not FSDP or DeepSpeed:
+Tested with one process and with DDP on CPU (`accelerate launch --multi_gpu --num_processes 2` on a machine
+without CUDA: gloo; `--cpu` alone would start one process). Not FSDP or DeepSpeed:
 checkpoints save the parameter objects captured before `prepare` and the bare optimizer's state dict, which
 under FSDP are local shards, and evaluation runs on the unwrapped module. Supporting FSDP would need full state
 dicts gathered for saving (`accelerator.get_state_dict` / torch.distributed.checkpoint), loading them back
@@ -281,6 +282,7 @@ def run_training(
             f"batch_size ({options.batch_size}) must be divisible by gradient_accumulation_steps "
             f"({options.gradient_accumulation_steps}) times the number of processes ({world})"
         )
+    accelerator.print(f"{description}: {world} process{'es' if world > 1 else ''}")
     first = next(_micro_batches(blocks, 1, seed, 0))
     seq_len = int((first["input_ids"] if isinstance(first, dict) else first).shape[1])
     tokens_per_step = options.batch_size * seq_len
@@ -349,14 +351,16 @@ def run_training(
     bar = tqdm(total=total_steps * tokens_per_step, initial=min(step, total_steps) * tokens_per_step, unit="tok",
                unit_scale=True, desc=description, disable=not accelerator.is_main_process, dynamic_ncols=True)
     while step < total_steps:
-        losses = []
+        losses, grad_norm = [], {}
         for _ in range(options.gradient_accumulation_steps):
             batch = _map_batch(next(batches), lambda tensor: tensor[rank_slice].to(accelerator.device))
             with accelerator.accumulate(model), accelerator.autocast():
                 loss, extra = compute_loss(model, batch)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and options.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), options.max_grad_norm)
+                    # the norm of the synchronised (averaged) gradient before clipping, the same on every process
+                    grad_norm = {"grad_norm": float(accelerator.clip_grad_norm_(model.parameters(),
+                                                                                options.max_grad_norm))}
                 optimizer.step()
                 optimizer.zero_grad()
             losses.append(loss.detach().float())
@@ -378,7 +382,8 @@ def run_training(
         speed = (step - started_at_step) * tokens_per_step / elapsed
         bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{speed:,.0f}")
         record = {"step": step, "tokens": step * tokens_per_step, "loss": loss_value,
-                  "lr": scheduler.get_last_lr()[0], "tokens_per_s": speed, **{k: float(v) for k, v in extra.items()}}
+                  "lr": scheduler.get_last_lr()[0], "tokens_per_s": speed, **grad_norm,
+                  **{k: float(v) for k, v in extra.items()}}
         if evaluate is not None and (step == total_steps or (eval_steps and step % eval_steps == 0)):
             model.eval()
             # outside the training autocast: evaluations are scored in the weights' own precision (float32), like
