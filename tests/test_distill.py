@@ -243,12 +243,15 @@ def test_packed_position_ids_reach_the_teacher_and_the_student_in_both_stages(fo
     handles = [teacher.model.rotary_emb.register_forward_pre_hook(record("teacher"), with_kwargs=True),
                student.model.rotary_emb.register_forward_pre_hook(record("student"), with_kwargs=True)]
     handles += [student.model.layers[i].self_attn.register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append(("delta layer", kwargs.get("position_ids"))), with_kwargs=True)
+        lambda module, args, kwargs: seen.append(("delta layer", kwargs.get("documents"))), with_kwargs=True)
         for i in layers]
     with torch.no_grad():
         AttentionTransfer(teacher, student, layers)(ids, positions)
-        assert [name for name, _ in seen] == ["teacher"] + ["delta layer"] * len(layers)
+        assert [name for name, _ in seen][0] == "teacher"
         assert "forward" not in vars(teacher.model)  # the teacher is left as it was
+        # each delta layer runs the six documents (three per row) one by one, as the student's decoder would
+        assert [p.num_documents for name, p in seen if name == "delta layer" and p is not None] == [6] * len(layers)
+        seen = [(name, p) for name, p in seen if name != "delta layer"]
         assert [name for name, p in seen if p is None or not torch.equal(p, positions)] == []
         seen.clear()
         LogitDistillation(teacher, student)(ids, positions)

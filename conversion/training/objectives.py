@@ -58,11 +58,11 @@ class AttentionTransfer(nn.Module):
                 self.teacher, input_ids, self.layers, batch_size=len(input_ids), progress=False
             )
         device = input_ids.device
-        extra = {} if position_ids is None else {"position_ids": position_ids}
+        documents = _packed_documents(position_ids, len(input_ids))
         errors = {}
         for i in self.layers:
             inputs, targets = activations[i].inputs.to(device), activations[i].outputs.to(device).float()
-            errors[i] = relative_mse(self.mixers[str(i)](inputs, **extra)[0], targets)
+            errors[i] = relative_mse(self.mixers[str(i)](inputs, documents=documents)[0], targets)
         loss = torch.stack(list(errors.values())).mean()
         worst = max(errors, key=lambda i: errors[i].item())
         return loss, {"worst_layer": worst, "worst_layer_mse": errors[worst].item()}
@@ -85,6 +85,16 @@ def _forward_with(module: nn.Module, **kwargs):
             del module.forward
         else:
             module.forward = own
+
+
+def _packed_documents(position_ids: torch.Tensor | None, batch: int):
+    """The packed documents a delta layer runs one by one (from a zero state), as the student's decoder finds them
+    in `position_ids` that restart inside a row; None when there are none."""
+    if position_ids is None:
+        return None
+    from delta_attention.modeling.modeling_delta import DeltaModel
+
+    return DeltaModel._packed_documents(position_ids, None, None, batch)
 
 
 def batch_inputs(batch) -> dict:
