@@ -32,6 +32,9 @@ class BenchDistillOptions:
     evaluations: int = dataclasses.field(default=5, metadata={"help": "held-out evaluations per stage"})
     eval_tokens: int = dataclasses.field(default=8192, metadata={"help": "held-out tokens per evaluation"})
     probe_steps: int = dataclasses.field(default=3, metadata={"help": "timed steps per speed probe"})
+    packing: str = dataclasses.field(
+        default="boundary", metadata={"help": "boundary (documents reset at each EOS) or plain (one run per block)"}
+    )
 
 
 def _probe(run, steps: int) -> float:
@@ -80,11 +83,13 @@ def run(options: BenchDistillOptions) -> int:
     out.mkdir(parents=True, exist_ok=True)
     gguf = str(smollm2_gguf_path())
     source = load_source(gguf, dtype=torch.float32)
-    data = DataOptions(dataset="builtin:train", seq_len=options.seq_len)
+    data = DataOptions(dataset="builtin:train", seq_len=options.seq_len, packing=options.packing)
     blocks = training_blocks(data, source.tokenizer)
+    blocks = blocks["input_ids"] if isinstance(blocks, dict) else blocks  # the teacher's speed probe needs ids only
     for p in source.model.parameters():
         p.requires_grad_(True)
     report = {"threads": torch.get_num_threads(), "minutes_per_model": options.minutes_per_model,
+              "packing": options.packing,
               "seq_len": options.seq_len, "batch_size": options.batch_size,
               "teacher_finetune_tokens_per_s": teacher_finetune_speed(source.model, blocks, options.probe_steps),
               "models": {}}

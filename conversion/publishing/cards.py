@@ -184,14 +184,17 @@ def distilled_card(conversion: dict, results: dict, model_name: str, eval_datase
 
 
 def results_table(results: dict) -> str:
-    """Markdown table: teacher vs student held-out perplexity after each step of the recipe."""
+    """Markdown table: teacher vs student held-out perplexity after each step of the recipe (every row scored in
+    the precision `results["eval_precision"]` names, shown in the header)."""
     teacher = results.get("teacher_ppl")
     rows = [("teacher", teacher), ("converted, untrained", results.get("converted_ppl"))]
     for stage in ("stage1", "stage2"):
         if stage in results:
             rows.append((f"after {stage.replace('stage', 'stage ')} ({results[stage]['tokens']:,} tokens)",
                          results[stage].get("heldout_ppl")))
-    lines = ["| model | held-out perplexity | vs teacher |", "|---|---|---|"]
+    precision = results.get("eval_precision")
+    header = f"held-out perplexity ({precision})" if precision else "held-out perplexity"
+    lines = [f"| model | {header} | vs teacher |", "|---|---|---|"]
     for name, ppl in rows:
         if ppl is None:
             continue
