@@ -23,6 +23,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+import torch
+
 #: written at the top of every run folder of `distill` and `finetune`
 RUN_MARKER = "delta_attention_run.json"
 #: what a run folder written before `RUN_MARKER` existed holds
@@ -178,6 +180,31 @@ def open_run_folder(out: Path, command: str, *, overwrite: bool, resume: bool) -
     return RunFolder(out, work)
 
 
+def open_run_folder_once(out: Path, command: str, *, overwrite: bool, resume: bool) -> RunFolder:
+    """`open_run_folder` in the main process once every process has checked the output folder; the others get
+    its result (under `accelerate launch` each process runs this pipeline)."""
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list
+
+    state = PartialState(cpu=not torch.cuda.is_available())  # as the training loop: gloo on CPU-only machines
+    state.wait_for_everyone()
+    holder = [open_run_folder(out, command, overwrite=overwrite, resume=resume) if state.is_main_process else None]
+    if state.num_processes > 1:
+        broadcast_object_list(holder)
+    return holder[0]
+
+
+def on_main_process(function, *args, **kwargs) -> None:
+    """Run `function` (a write to the run folder) in the main process only, then let every process go on together:
+    under `accelerate launch` each process runs this pipeline, and two writers of one folder would race."""
+    from accelerate import PartialState
+
+    state = PartialState(cpu=not torch.cuda.is_available())  # as the training loop: gloo on CPU-only machines
+    if state.is_main_process:
+        function(*args, **kwargs)
+    state.wait_for_everyone()
+
+
 def swap_in(new: Path, final: Path) -> None:
     """Rename `new` to `final`; an existing `final` is moved aside first, restored if the rename fails, and
     deleted only once `new` is in place."""
@@ -218,7 +245,9 @@ __all__ = [
     "RUN_MARKER",
     "RunFolder",
     "check_output_folder",
+    "on_main_process",
     "open_run_folder",
+    "open_run_folder_once",
     "sigterm_raises",
     "written_by_this_tool",
 ]

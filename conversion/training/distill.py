@@ -24,7 +24,7 @@ from ..data.text import DataOptions, load_texts, training_blocks, warn_if_longer
 from ..data.windows import token_windows
 from ..evaluation.perplexity import perplexity
 from ..loading import check_model_spec, load_model
-from ..output_folder import check_output_folder, open_run_folder
+from ..output_folder import check_output_folder, on_main_process, open_run_folder_once
 from ..publishing.cards import distilled_card, results_table
 from ..saving import atomic_save, save_model_and_tokenizer
 from .lora import LoraOptions, lora_config
@@ -191,7 +191,8 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
         texts = list(load_texts(options.eval_dataset)["text"])
         eval_windows = token_windows(tokenizer, texts, seq, max(1, options.eval_tokens // seq))
 
-    run = _open_run_folder_once(Path(options.output_dir), overwrite=options.overwrite, resume=training.resume)
+    run = open_run_folder_once(Path(options.output_dir), "distill", overwrite=options.overwrite,
+                               resume=training.resume)
     out = run.work
     torch.manual_seed(data.seed)
     results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
@@ -229,9 +230,9 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
                                  "tokens_per_s": result.tokens / max(result.seconds, 1e-9), "final_mse": result.final_loss,
                                  "lr": options.stage1_lr, "params": options.stage1_params,
                                  "heldout_ppl": result.evaluations[-1]["heldout_ppl"] if result.evaluations else None}
-            _on_main_process(atomic_save, lambda folder: save_model_and_tokenizer(student, tokenizer, folder),
+            on_main_process(atomic_save, lambda folder: save_model_and_tokenizer(student, tokenizer, folder),
                              stage1_model)
-        _on_main_process(_write_results, out, results)
+        on_main_process(_write_results, out, results)
 
     if 2 in stages:
         torch.manual_seed(data.seed + 1)  # the LoRA initialisation: the same --seed gives the same run
@@ -258,44 +259,19 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
                              "heldout_ppl": result.evaluations[-1]["heldout_ppl"] if result.evaluations else None}
         if options.output == "merged":
             merged = peft_model.merge_and_unload()
-            _on_main_process(atomic_save, lambda folder: _save_distilled(merged, tokenizer, folder, options, results),
+            on_main_process(atomic_save, lambda folder: _save_distilled(merged, tokenizer, folder, options, results),
                              out / "model")
         else:
             _record_adapter_base(peft_model, options, trained_stage1=1 in stages)
-            _on_main_process(atomic_save, peft_model.save_pretrained, out / "adapter")
-        _on_main_process(_write_results, out, results)
+            on_main_process(atomic_save, peft_model.save_pretrained, out / "adapter")
+        on_main_process(_write_results, out, results)
 
     runs = {f"stage {s}": out / f"stage{s}" / "metrics.jsonl" for s in (1, 2) if (out / f"stage{s}" / "metrics.jsonl").exists()}
     if runs:
-        _on_main_process(plot_metrics, runs, out / "metrics.png", title=f"distilling {Path(options.student).name}")
-    _on_main_process(run.finish)
+        on_main_process(plot_metrics, runs, out / "metrics.png", title=f"distilling {Path(options.student).name}")
+    on_main_process(run.finish)
     print(results_table(results))
     return results
-
-
-def _open_run_folder_once(out: Path, overwrite: bool, resume: bool):
-    """`open_run_folder` in the main process once every process has checked the output folder; the others get
-    its result (under `accelerate launch` each process runs this pipeline)."""
-    from accelerate import PartialState
-    from accelerate.utils import broadcast_object_list
-
-    state = PartialState(cpu=not torch.cuda.is_available())  # as the training loop: gloo on CPU-only machines
-    state.wait_for_everyone()
-    holder = [open_run_folder(out, "distill", overwrite=overwrite, resume=resume) if state.is_main_process else None]
-    if state.num_processes > 1:
-        broadcast_object_list(holder)
-    return holder[0]
-
-
-def _on_main_process(function, *args, **kwargs) -> None:
-    """Run `function` (a write to the run folder) in the main process only, then let every process go on together:
-    under `accelerate launch` each process runs this pipeline, and two writers of one folder would race."""
-    from accelerate import PartialState
-
-    state = PartialState(cpu=not torch.cuda.is_available())  # as the training loop: gloo on CPU-only machines
-    if state.is_main_process:
-        function(*args, **kwargs)
-    state.wait_for_everyone()
 
 
 def _objective_loss(objective, batch):

@@ -17,7 +17,7 @@ import torch
 from ..data.chat import chat_rows
 from ..data.text import DataOptions, load_texts, training_blocks, warn_if_longer_than_model
 from ..loading import check_model_spec, load_model
-from ..output_folder import check_output_folder, open_run_folder
+from ..output_folder import check_output_folder, on_main_process, open_run_folder_once
 from ..saving import atomic_save, save_model_and_tokenizer
 from .lora import LoraOptions, lora_config
 from .loop import TrainingOptions, run_training
@@ -109,14 +109,16 @@ def run_finetune(options: FinetuneOptions, data: DataOptions, training: Training
     model, tokenizer = load_model(options.model)
     warn_if_longer_than_model(data.seq_len, model.config)
     rows = finetune_rows(options, data, tokenizer)
-    run = open_run_folder(Path(options.output_dir), "finetune", overwrite=options.overwrite, resume=training.resume)
+    run = open_run_folder_once(Path(options.output_dir), "finetune", overwrite=options.overwrite,
+                               resume=training.resume)
     out = run.work
     torch.manual_seed(data.seed)  # the LoRA initialisation: the same --seed gives the same run
     peft_model = get_peft_model(model, lora_config(lora))
     params = [p for p in peft_model.parameters() if p.requires_grad]
     result = run_training(peft_model, _loss, [{"params": params, "lr": options.learning_rate}], rows, training, out,
                           options.max_tokens, seed=data.seed, description="fine-tuning")
-    atomic_save(lambda folder: save_model_and_tokenizer(peft_model, tokenizer, folder), out / "adapter")
+    # under `accelerate launch` every process runs this; only the main one writes
+    on_main_process(atomic_save, lambda folder: save_model_and_tokenizer(peft_model, tokenizer, folder), out / "adapter")
     summary = {"model": options.model, "steps": result.steps, "tokens": result.tokens, "final_loss": result.final_loss,
                "tokens_per_s": result.tokens / max(result.seconds, 1e-9),
                "lora": lora.record(), "learning_rate": options.learning_rate}
@@ -125,9 +127,10 @@ def run_finetune(options: FinetuneOptions, data: DataOptions, training: Training
 
         merged = peft_model.merge_and_unload()
         card = finetuned_card(options.model, data.dataset, summary, seq_len=data.seq_len)
-        atomic_save(lambda folder: (save_model_and_tokenizer(merged, tokenizer, folder),
-                                    card.save(Path(folder) / "README.md")), out / "merged")
-    (out / "results.json").write_text(json.dumps(summary, indent=1))
-    plot_metrics({"fine-tuning": result.metrics_path}, out / "metrics.png", title=f"fine-tuning {options.model}")
-    run.finish()
+        on_main_process(atomic_save, lambda folder: (save_model_and_tokenizer(merged, tokenizer, folder),
+                                                     card.save(Path(folder) / "README.md")), out / "merged")
+    on_main_process((out / "results.json").write_text, json.dumps(summary, indent=1))
+    on_main_process(plot_metrics, {"fine-tuning": result.metrics_path}, out / "metrics.png",
+                    title=f"fine-tuning {options.model}")
+    on_main_process(run.finish)
     return summary
