@@ -9,12 +9,11 @@ given context (a real 64k-token prefill of the Llama would dominate the run), th
 from __future__ import annotations
 
 import gc
-import os
-import threading
 import time
 
 import torch
 
+from delta_attention.conversion.evaluation.peak_memory import PeakRSS
 from delta_attention.conversion.memory import cache_bytes
 from delta_attention.modeling.configuration_delta import DELTA_LAYER, FULL_ATTENTION_LAYER
 
@@ -155,41 +154,6 @@ def run_prefill_benchmark(models: dict, lengths, log=print) -> dict:
             log(f"prefill {name:8s} {length:6d} tokens: {rate:8.0f} tokens/s")
             gc.collect()
     return {"rows": rows}
-
-
-class PeakRSS:
-    """Samples the process's resident set size in a thread; `peak` is the highest seen (bytes)."""
-
-    def __init__(self, interval: float = 0.005):
-        self.interval, self.peak, self._stop = interval, 0, threading.Event()
-
-    @staticmethod
-    def current() -> int:
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except OSError:  # not Linux: psutil if there
-            import psutil
-
-            return psutil.Process().memory_info().rss
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.current())
-            time.sleep(self.interval)
-
-    def __enter__(self):
-        gc.collect()
-        self.baseline = self.current()
-        self.peak = self.baseline
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.current())
 
 
 LONG_MODEL_SHAPE = dict(

@@ -1,4 +1,5 @@
-"""`delta-attention evaluate MODEL [--teacher SOURCE] [--tasks perplexity,passkey,speed]`: one JSON + markdown report.
+"""`delta-attention evaluate MODEL [--teacher SOURCE] [--tasks perplexity,long_ppl,passkey,speed]`: one JSON + markdown
+report. `long_ppl` is perplexity by position bucket over one long document (`--long_max_tokens`, `--long_buckets`).
 
 The model also loads in lm-evaluation-harness's HF backend:
     lm_eval --model hf --model_args pretrained=MODEL_DIR,trust_remote_code=True --tasks hellaswag

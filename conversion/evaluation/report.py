@@ -10,12 +10,15 @@ from pathlib import Path
 
 import torch
 
+from .long_context import (DEFAULT_BUCKETS, check_long_context_options, long_context_markdown, long_perplexity,
+                           parse_buckets, parse_depths, trained_context)
+from .peak_memory import task_peak_memory
 from .perplexity import perplexity_of_texts
-from .tasks import decode_speed, passkey_accuracy
+from .tasks import decode_speed, mean_over_depths, passkey_grid
 from ..loading import check_model_spec, load_model
 from ..data.text import load_texts
 
-TASKS = ("perplexity", "passkey", "speed")
+TASKS = ("perplexity", "long_ppl", "passkey", "speed")
 
 
 @dataclasses.dataclass
@@ -24,13 +27,20 @@ class EvaluateOptions:
 
     model: str = dataclasses.field(default=None, metadata={"help": "model folder, Hub id or .gguf", "positional": True})
     teacher: str | None = dataclasses.field(default=None, metadata={"help": "a second model evaluated side by side"})
-    tasks: str = dataclasses.field(default="perplexity,passkey,speed", metadata={"help": f"comma-separated: {TASKS}"})
+    tasks: str = dataclasses.field(default="perplexity,long_ppl,passkey,speed",
+                                   metadata={"help": f"comma-separated: {TASKS}"})
     dataset: str = dataclasses.field(default="builtin:heldout", metadata={"help": "texts for perplexity"})
     text_column: str = dataclasses.field(default="text", metadata={"help": "column holding the text"})
     max_tokens: int = dataclasses.field(default=16_384, metadata={"help": "tokens scored for perplexity (0 = all)"})
     window: int = dataclasses.field(default=1024, metadata={"help": "perplexity window"})
     stride: int = dataclasses.field(default=512, metadata={"help": "perplexity stride (< window)"})
-    passkey_lengths: str = dataclasses.field(default="1024,2048,4096,8192,16384,32768",
+    long_max_tokens: int = dataclasses.field(default=65_536, metadata={
+        "help": "long_ppl: tokens of the texts joined into one document (fewer if the texts run out)"})
+    long_buckets: str = dataclasses.field(default=DEFAULT_BUCKETS, metadata={
+        "help": "long_ppl: edges of the position buckets (0,2048,... = 0-2k, 2k-8k, ...)"})
+    long_piece: int = dataclasses.field(default=1024, metadata={
+        "help": "long_ppl: tokens per forward call, the cache carried between them"})
+    passkey_lengths: str = dataclasses.field(default="1024,4096,16384,65536",
                                              metadata={"help": "prompt lengths in tokens"})
     passkey_depths: str = dataclasses.field(default="0.1,0.5,0.9", metadata={"help": "relative needle depths"})
     passkey_trials: int = dataclasses.field(default=1, metadata={"help": "prompts per length and depth"})
@@ -56,17 +66,26 @@ def evaluate_model(model, tokenizer, options: EvaluateOptions, texts: list[str] 
     unknown = sorted(set(tasks) - set(TASKS))
     if unknown:
         raise ValueError(f"unknown task(s) {unknown}; choose from {list(TASKS)}")
-    result = {}
+    device = next(model.parameters()).device
+    result = {"max_position_embeddings": trained_context(model)}
     if "perplexity" in tasks:
-        result["perplexity"] = perplexity_of_texts(model, tokenizer, texts, options.window, options.stride,
-                                                   options.max_tokens or None)
+        with task_peak_memory(result, "perplexity", device):
+            result["perplexity"] = perplexity_of_texts(model, tokenizer, texts, options.window, options.stride,
+                                                       options.max_tokens or None)
+    if "long_ppl" in tasks:
+        with task_peak_memory(result, "long_ppl", device):
+            result["long_ppl"] = long_perplexity(model, tokenizer, texts, options.long_max_tokens,
+                                                 parse_buckets(options.long_buckets), options.long_piece)
     if "passkey" in tasks:
-        depths = [float(x) for x in options.passkey_depths.split(",") if x.strip()]
-        result["passkey"] = passkey_accuracy(model, tokenizer, _ints(options.passkey_lengths), depths,
-                                             options.passkey_trials, options.seed)
+        with task_peak_memory(result, "passkey", device):
+            depths = parse_depths(options.passkey_depths)
+            grid = passkey_grid(model, tokenizer, _ints(options.passkey_lengths), depths, options.passkey_trials,
+                                options.seed)
+        result["passkey"], result["passkey_by_depth"] = mean_over_depths(grid), grid
     if "speed" in tasks:
-        result["speed"] = [decode_speed(model, c, options.speed_new_tokens, seed=options.seed)
-                           for c in _ints(options.speed_contexts)]
+        with task_peak_memory(result, "speed", device):
+            result["speed"] = [decode_speed(model, c, options.speed_new_tokens, seed=options.seed)
+                               for c in _ints(options.speed_contexts)]
     return result
 
 
@@ -91,6 +110,7 @@ def markdown_report(report: dict) -> str:
             ) + " |\n" for i, s in enumerate(results[0]["speed"]))
         lines += ["## Decode speed and cache memory", "", "| context | " + " | ".join(names) + " |\n|---|"
                   + "---|" * len(names) + "\n" + rows]
+    lines += long_context_markdown(names, results)
     return "\n".join(lines)
 
 
@@ -99,11 +119,12 @@ def run_evaluate(options: EvaluateOptions) -> dict:
     if not options.model:
         raise ValueError("give the model: delta-attention evaluate MODEL [--teacher SOURCE]")
     check_model_spec(options.model)
+    check_long_context_options(options)
     if options.teacher:
         check_model_spec(options.teacher, "teacher")
     dtype = torch.bfloat16 if options.bf16 else torch.float32
     texts = None
-    if "perplexity" in options.tasks:
+    if "perplexity" in options.tasks or "long_ppl" in options.tasks:
         texts = list(load_texts(options.dataset, text_column=options.text_column)["text"])
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "dataset": options.dataset, "window": options.window,
               "stride": options.stride, "threads": torch.get_num_threads(), "models": {}}

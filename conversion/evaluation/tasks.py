@@ -16,28 +16,39 @@ PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here w
 
 
 def passkey_prompt(tokenizer, length: int, depth: float, passkey: int) -> torch.Tensor:
-    """Token ids of about `length` tokens: filler with the passkey sentence at relative `depth`, then the question."""
+    """Token ids of exactly `length` tokens: filler, the passkey sentence (the needle), more filler, the question.
+
+    Placement is exact on the token ids: with `F = length - len(needle) - len(question)` filler tokens, the
+    needle's first token is at index `round(depth * F)` (depth 0: first thing in the prompt; 1: right before the
+    question). The filler is its sentences tokenised once and repeated, cut at a token.
+    """
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"passkey depth {depth} is outside 0..1; give --passkey_depths such as 0.1,0.5,0.9")
     needle = f" The pass key is {passkey}. Remember it. {passkey} is the pass key. "
     question = " What is the pass key? The pass key is"
     filler_ids = tokenizer(PASSKEY_FILLER, add_special_tokens=False)["input_ids"]
     needle_ids = tokenizer(needle, add_special_tokens=False)["input_ids"]
     question_ids = tokenizer(question, add_special_tokens=False)["input_ids"]
-    budget = max(0, length - len(needle_ids) - len(question_ids))
+    budget = length - len(needle_ids) - len(question_ids)
+    if budget < 0:
+        raise ValueError(f"a passkey prompt of {length} tokens cannot hold the needle and the question "
+                         f"({len(needle_ids) + len(question_ids)} tokens); give longer --passkey_lengths")
     filler = (filler_ids * (budget // max(1, len(filler_ids)) + 1))[:budget]
-    cut = int(round(depth * len(filler)))
+    cut = round(depth * budget)
     return torch.tensor(filler[:cut] + needle_ids + filler[cut:] + question_ids, dtype=torch.long)
 
 
 @torch.no_grad()
-def passkey_accuracy(model, tokenizer, lengths: list[int], depths: list[float], trials: int = 1, seed: int = 0,
-                     progress: bool = True) -> dict[int, float]:
-    """Share of prompts whose greedy continuation contains the passkey, per prompt length."""
+def passkey_grid(model, tokenizer, lengths: list[int], depths: list[float], trials: int = 1, seed: int = 0,
+                 progress: bool = True) -> dict[int, dict[float, float]]:
+    """Share of prompts whose greedy continuation contains the passkey, per prompt length and needle depth."""
     rng = random.Random(seed)
     device = next(model.parameters()).device
     results = {}
     for length in lengths:
-        hits, total = 0, 0
+        results[length] = {}
         for depth in tqdm(depths, desc=f"passkey {length}", disable=not progress, leave=False):
+            hits = 0
             for _ in range(trials):
                 passkey = rng.randint(10000, 99999)
                 ids = passkey_prompt(tokenizer, length, depth, passkey).to(device)[None]
@@ -45,9 +56,19 @@ def passkey_accuracy(model, tokenizer, lengths: list[int], depths: list[float], 
                                      pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
                 answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
                 hits += str(passkey) in answer
-                total += 1
-        results[length] = hits / total
+            results[length][depth] = hits / trials
     return results
+
+
+def mean_over_depths(grid: dict[int, dict[float, float]]) -> dict[int, float]:
+    """Passkey accuracy per length from `passkey_grid` (every depth has the same number of trials)."""
+    return {length: sum(row.values()) / len(row) for length, row in grid.items()}
+
+
+def passkey_accuracy(model, tokenizer, lengths: list[int], depths: list[float], trials: int = 1, seed: int = 0,
+                     progress: bool = True) -> dict[int, float]:
+    """Share of prompts whose greedy continuation contains the passkey, per prompt length (over all depths)."""
+    return mean_over_depths(passkey_grid(model, tokenizer, lengths, depths, trials, seed, progress))
 
 
 @torch.no_grad()
