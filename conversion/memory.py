@@ -39,13 +39,15 @@ class CacheFigures:
     `kv_per_token`: bytes of K/V added per token by full-attention layers; `sliding_per_token` and
     `sliding_window`: the same for sliding-window layers, which hold `min(tokens, sliding_window)` tokens (what
     a `StaticCache` allocates; transformers' `DynamicCache` keeps one token fewer between forward calls);
-    `state_bytes`: the fixed size of all delta states (float32) and short-conv states.
+    `state_bytes`: the fixed size of all delta states (float32; one per head, or per KV head with a GQA-shared
+    state) and short-conv states; `states_per_layer`: delta states in each delta layer (0 without delta layers).
     """
 
     kv_per_token: int
     sliding_per_token: int
     sliding_window: int | None
     state_bytes: int
+    states_per_layer: int = 0
 
     def total(self, tokens: int) -> int:
         """Cache bytes after `tokens` tokens."""
@@ -70,16 +72,17 @@ def cache_figures(config, layer_types: list[str], dtype=torch.float32) -> CacheF
     full = sum(t == "full_attention" for t in layer_types)
     sliding = sum(t == "sliding_attention" for t in layer_types)
     delta = len(delta_layer_indices(layer_types))
-    state = 0
+    state = states = 0
     if delta:
-        d_heads = getattr(config, "linear_num_heads", None) or heads
+        d_heads = getattr(config, "linear_num_heads", None) or heads  # query heads
+        states = getattr(config, "linear_num_state_heads", None) or d_heads  # fewer with a GQA-shared state
         d_key = getattr(config, "linear_key_head_dim", None) or head_dim
         d_value = getattr(config, "linear_value_head_dim", None) or head_dim
         kernel = getattr(config, "linear_conv_kernel_size", 4)
-        conv_channels = d_heads * (2 * d_key + d_value)
-        state = delta * (d_heads * d_key * d_value * 4 + kernel * conv_channels * width)
+        conv_channels = d_heads * d_key + states * (d_key + d_value)  # [q | k | v]
+        state = delta * (states * d_key * d_value * 4 + kernel * conv_channels * width)
     window = getattr(config, "sliding_window", None) if sliding else None
-    return CacheFigures(full * per_layer_kv, sliding * per_layer_kv, window, state)
+    return CacheFigures(full * per_layer_kv, sliding * per_layer_kv, window, state, states)
 
 
 def human_bytes(n: float) -> str:
@@ -122,6 +125,7 @@ class MemoryReport:
             ("KV bytes per token (growing)", human_bytes(src.kv_per_token), human_bytes(dst.kv_per_token)),
             ("sliding-window KV (bounded)", _sliding_text(src), _sliding_text(dst)),
             ("delta state (fixed, per sequence)", human_bytes(src.state_bytes), human_bytes(dst.state_bytes)),
+            ("delta states per delta layer", str(src.states_per_layer or "-"), str(dst.states_per_layer or "-")),
         ]
         for tokens in CONTEXTS:
             rows.append((f"cache at {tokens:,} tokens", human_bytes(src.total(tokens)), human_bytes(dst.total(tokens))))

@@ -13,6 +13,8 @@ DELTA_LAYER_TYPES = (DELTA_LAYER, FULL_ATTENTION_LAYER, SLIDING_ATTENTION_LAYER)
 DELTA_GATES = ("none", "scalar", "channel")
 CONV_ACTIVATIONS = (None, "silu")
 OUTPUT_GATE_ACTIVATIONS = ("silu", "sigmoid")
+#: `linear_state_sharing`: one delta state per (query) head, or one per KV head read by its group of query heads
+STATE_SHARING = ("head", "kv_head")
 
 
 def delta_layer_indices(layer_types) -> list[int]:
@@ -63,6 +65,11 @@ class DeltaConfig(PreTrainedConfig):
             Rank of the per-channel decay projection (channel gate only); defaults to `linear_key_head_dim`.
         linear_chunk_size (`int`, defaults to 64):
             Chunk length of the chunkwise kernel.
+        linear_state_sharing (`str`, defaults to `"head"`):
+            `"head"`: one state per delta head (k, v, beta and decay per head). `"kv_head"`: one state per KV
+            head (`num_key_value_heads` of them), read by its group of `linear_num_heads // num_key_value_heads`
+            query heads, as GQA shares keys and values: k, v, beta and decay are per KV head, the state memory
+            shrinks by the group size.
     """
 
     model_type = "delta"
@@ -113,6 +120,7 @@ class DeltaConfig(PreTrainedConfig):
     linear_allow_neg_eigval: bool = False
     linear_gate_low_rank_dim: int | None = None
     linear_chunk_size: int = 64
+    linear_state_sharing: str = "head"
 
     def __post_init__(self, **kwargs):
         if self.head_dim is None:
@@ -152,6 +160,12 @@ class DeltaConfig(PreTrainedConfig):
     def num_delta_layers(self) -> int:
         return len(self.delta_layers)
 
+    @property
+    def linear_num_state_heads(self) -> int:
+        """Delta states per layer: `num_key_value_heads` with `linear_state_sharing="kv_head"`, else
+        `linear_num_heads`."""
+        return self.num_key_value_heads if self.linear_state_sharing == "kv_head" else self.linear_num_heads
+
     def validate_layer_type(self):
         """Every entry of `layer_types` is one of ours, and there is one per layer."""
         unknown = sorted({t for t in self.layer_types if t not in DELTA_LAYER_TYPES})
@@ -183,6 +197,16 @@ class DeltaConfig(PreTrainedConfig):
                 f"`linear_gate` must be one of {list(DELTA_GATES)} (none = DeltaNet, scalar = Gated DeltaNet, "
                 f"channel = KDA), got {self.linear_gate!r}."
             )
+        if self.linear_state_sharing not in STATE_SHARING:
+            raise ValueError(
+                f"`linear_state_sharing` must be one of {list(STATE_SHARING)} (head = one state per delta head, "
+                f"kv_head = one state per KV head shared by its query heads), got {self.linear_state_sharing!r}."
+            )
+        if self.linear_state_sharing == "kv_head" and self.linear_num_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"`linear_state_sharing='kv_head'` needs `linear_num_heads` ({self.linear_num_heads}) divisible by "
+                f"`num_key_value_heads` ({self.num_key_value_heads}); change one of them or use 'head'."
+            )
         if self.linear_conv_kernel_size < 0:
             raise ValueError(f"`linear_conv_kernel_size` must be >= 0 (0 = off), got {self.linear_conv_kernel_size}.")
         if self.linear_conv_activation not in CONV_ACTIVATIONS:
@@ -198,4 +222,5 @@ class DeltaConfig(PreTrainedConfig):
 
 DeltaConfig.register_for_auto_class()
 
-__all__ = ["DELTA_GATES", "DELTA_LAYER", "DELTA_LAYER_TYPES", "DeltaConfig", "delta_layer_indices"]
+__all__ = ["DELTA_GATES", "DELTA_LAYER", "DELTA_LAYER_TYPES", "STATE_SHARING", "DeltaConfig",
+           "delta_layer_indices"]

@@ -119,7 +119,11 @@ class DeltaAttention(nn.Module):
     """Delta attention: short conv, L2-normalised q/k, beta, decay gate, delta-rule state, gated output norm.
 
     The layer owns its parametrisation: `new_parameters()` lists what softmax attention lacks, and
-    `decay_at_rest` / `beta_at_rest` read (their `set_` forms write) the per-head decay and beta at zero input.
+    `decay_at_rest` / `beta_at_rest` read (their `set_` forms write) the per-state decay and beta at zero input.
+
+    H query heads (`num_heads`) read `num_state_heads` states: H of them, or one per KV head with
+    `config.linear_state_sharing == "kv_head"` (k, v, beta and decay are then per KV head, query head h reading
+    state h // (H / H_kv)).
     """
 
     # the parameters a delta layer shares with softmax attention (by name); everything else is new
@@ -132,11 +136,14 @@ class DeltaAttention(nn.Module):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
-        self.num_heads = config.linear_num_heads
+        self.num_heads = config.linear_num_heads  # query heads, one output each
+        self.num_state_heads = config.linear_num_state_heads  # states, with their own k, v, beta and decay
         self.key_head_dim = config.linear_key_head_dim
         self.value_head_dim = config.linear_value_head_dim
-        self.key_dim = self.num_heads * self.key_head_dim
-        self.value_dim = self.num_heads * self.value_head_dim
+        self.key_dim = self.num_heads * self.key_head_dim  # q width
+        self.value_dim = self.num_heads * self.value_head_dim  # output width (o_norm, g_proj, o_proj)
+        self.state_key_dim = self.num_state_heads * self.key_head_dim  # k width
+        self.state_value_dim = self.num_state_heads * self.value_head_dim  # v width
         self.gate = config.linear_gate
         self.conv_kernel_size = config.linear_conv_kernel_size
         self.chunk_size = config.linear_chunk_size
@@ -144,23 +151,23 @@ class DeltaAttention(nn.Module):
         hidden = config.hidden_size
 
         self.q_proj = nn.Linear(hidden, self.key_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(hidden, self.key_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(hidden, self.value_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, self.state_key_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, self.state_value_dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.value_dim, hidden, bias=config.attention_out_bias)
-        self.b_proj = nn.Linear(hidden, self.num_heads, bias=True)
+        self.b_proj = nn.Linear(hidden, self.num_state_heads, bias=True)
 
         if self.gate == "scalar":
-            self.a_proj = nn.Linear(hidden, self.num_heads, bias=False)
-            self.dt_bias = nn.Parameter(torch.zeros(self.num_heads))
+            self.a_proj = nn.Linear(hidden, self.num_state_heads, bias=False)
+            self.dt_bias = nn.Parameter(torch.zeros(self.num_state_heads))
         elif self.gate == "channel":
             self.a_proj = nn.Linear(hidden, config.linear_gate_low_rank_dim, bias=False)
-            self.a_up_proj = nn.Linear(config.linear_gate_low_rank_dim, self.key_dim, bias=False)
-            self.dt_bias = nn.Parameter(torch.zeros(self.key_dim))
+            self.a_up_proj = nn.Linear(config.linear_gate_low_rank_dim, self.state_key_dim, bias=False)
+            self.dt_bias = nn.Parameter(torch.zeros(self.state_key_dim))
         if self.gate != "none":
-            self.A_log = nn.Parameter(torch.zeros(self.num_heads))
+            self.A_log = nn.Parameter(torch.zeros(self.num_state_heads))
 
-        if self.conv_kernel_size > 0:
-            conv_dim = 2 * self.key_dim + self.value_dim
+        if self.conv_kernel_size > 0:  # over the [q | k | v] channels
+            conv_dim = self.key_dim + self.state_key_dim + self.state_value_dim
             self.conv1d = nn.Conv1d(
                 conv_dim, conv_dim, self.conv_kernel_size, groups=conv_dim, padding=self.conv_kernel_size - 1, bias=False
             )
@@ -219,16 +226,16 @@ class DeltaAttention(nn.Module):
         return [p for name, p in self.named_parameters() if name.split(".")[0] not in self.COPIED_FROM_ATTENTION]
 
     def _decay_map(self, a: torch.Tensor) -> torch.Tensor:
-        # Mamba2-style log-decay g = -exp(A_log) * softplus(a + dt_bias) of the gate input a:
-        # a [..., H] -> g [..., H] (scalar gate); a [..., H * K] -> g [..., H, K] (channel gate)
+        # Mamba2-style log-decay g = -exp(A_log) * softplus(a + dt_bias) of the gate input a, per state (Hs):
+        # a [..., Hs] -> g [..., Hs] (scalar gate); a [..., Hs * K] -> g [..., Hs, K] (channel gate)
         a = a.float() + self.dt_bias.float()
         if self.gate == "scalar":
             return -self.A_log.float().exp() * F.softplus(a)
-        a = a.unflatten(-1, (self.num_heads, self.key_head_dim))
+        a = a.unflatten(-1, (self.num_state_heads, self.key_head_dim))
         return -self.A_log.float().exp()[:, None] * F.softplus(a)
 
     def _log_decay(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        # [B, T, hidden] -> log-decay [B, T, H] (scalar gate) or [B, T, H, K] (channel gate); None without a gate
+        # [B, T, hidden] -> log-decay [B, T, Hs] (scalar gate) or [B, T, Hs, K] (channel gate); None without a gate
         if self.gate == "none":
             return None
         if self.gate == "scalar":
@@ -237,7 +244,7 @@ class DeltaAttention(nn.Module):
 
     @torch.no_grad()
     def decay_at_rest(self) -> torch.Tensor | None:
-        """Per-head decay factor a in (0, 1) at zero input (the state is multiplied by a every token): [H].
+        """Per-state decay factor a in (0, 1) at zero input (the state is multiplied by a every token): [Hs].
 
         For the channel gate, the mean over each head's channels of the log-decay, exponentiated. None for the
         gate "none" (no decay)."""
@@ -251,7 +258,7 @@ class DeltaAttention(nn.Module):
     @torch.no_grad()
     def set_decay_at_rest(self, decay: torch.Tensor) -> None:
         """Inverse of `decay_at_rest`: A_log = 0 and dt_bias = softplus^-1(-log a) (the same for every channel of
-        a head with the channel gate), with `decay` [H] clamped to `DECAY_AT_REST_RANGE`. No-op for the gate
+        a head with the channel gate), with `decay` [Hs] clamped to `DECAY_AT_REST_RANGE`. No-op for the gate
         "none"."""
         if self.gate == "none":
             return
@@ -263,7 +270,7 @@ class DeltaAttention(nn.Module):
         self.dt_bias.copy_(dt.to(self.dt_bias.dtype))
 
     def _beta(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # [B, T, hidden] -> beta [B, T, H] in (0, 1), or in (0, 2) with negative eigenvalues allowed
+        # [B, T, hidden] -> beta [B, T, Hs] in (0, 1), or in (0, 2) with negative eigenvalues allowed
         return self._beta_map(self.b_proj(hidden_states))
 
     def _beta_map(self, b: torch.Tensor) -> torch.Tensor:
@@ -272,7 +279,7 @@ class DeltaAttention(nn.Module):
 
     @torch.no_grad()
     def beta_at_rest(self) -> torch.Tensor:
-        """Per-head beta at zero input: [H] (`b_proj`'s bias through the beta map)."""
+        """Per-state beta at zero input: [Hs] (`b_proj`'s bias through the beta map)."""
         return self._beta_map(self.b_proj.bias)
 
     @torch.no_grad()
@@ -316,15 +323,15 @@ class DeltaAttention(nn.Module):
             mixed_qkv = mixed_qkv * attention_mask[:, :, None].to(mixed_qkv.dtype)
         if self.conv_kernel_size > 0:
             mixed_qkv = self._short_conv(mixed_qkv, cache, attention_mask)
-        query, key, value = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        query, key, value = mixed_qkv.split([self.key_dim, self.state_key_dim, self.state_value_dim], dim=-1)
         query = query.unflatten(-1, (self.num_heads, self.key_head_dim))  # [B, T, H, K]
-        key = key.unflatten(-1, (self.num_heads, self.key_head_dim))
-        value = value.unflatten(-1, (self.num_heads, self.value_head_dim))  # [B, T, H, V]
+        key = key.unflatten(-1, (self.num_state_heads, self.key_head_dim))  # [B, T, Hs, K]
+        value = value.unflatten(-1, (self.num_state_heads, self.value_head_dim))  # [B, T, Hs, V]
         if self.config.use_qk_norm:
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = l2_normalize(query), l2_normalize(key)
 
-        beta = self._beta(hidden_states)  # [B, T, H]
+        beta = self._beta(hidden_states)  # [B, T, Hs]
         log_decay = self._log_decay(hidden_states)
         if attention_mask is not None:
             keep = attention_mask[:, :, None].float()

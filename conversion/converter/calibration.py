@@ -4,11 +4,12 @@
 
 `calibrated` init, on top of that, per layer:
 
-1. decay and beta per head. The teacher's attention gives a prior (half-life from the mean attention
-   distance, `decay_from_distance`; beta from the attention entropy, `beta_from_entropy`); that pair and a
-   small fixed grid of (beta, half-life) pairs are tried, and each head keeps the pair whose output, after
-   the best per-head scale, is closest to the teacher head's output (relative least-squares error; heads
-   are independent before `o_proj`, so all heads are searched at once);
+1. decay and beta per state (per head, or per KV head with a GQA-shared state). The teacher's attention gives
+   a prior (half-life from the mean attention distance, `decay_from_distance`; beta from the attention entropy,
+   `beta_from_entropy`; a shared state takes its group's mean distance and entropy); that pair and a small
+   fixed grid of (beta, half-life) pairs are tried, and each state keeps the pair whose output, after the best
+   per-head scale, is closest to the teacher head's output (relative least-squares error, averaged over the
+   query heads reading a shared state; states are independent before `o_proj`, so all are searched at once);
 2. a per-head output scale by least squares on the layer output (`fit_head_scales`): a head the delta
    rule cannot imitate well is turned down instead of adding noise;
 3. optionally `steps` of Adam on the layer's new parameters (`fit_layer`, MSE to the teacher output).
@@ -71,30 +72,37 @@ def head_errors(attn, inputs: torch.Tensor, target_heads: torch.Tensor, bf16: bo
     return 1 - yt.clamp(min=0).pow(2) / (yy * tt)
 
 
+def group_mean(per_head: torch.Tensor, states: int) -> torch.Tensor:
+    """[H] values of the query heads -> [states] means over the heads reading each state (head h reads state
+    h // (H / states)); the identity with one state per head."""
+    return per_head.reshape(states, -1).mean(-1)
+
+
 def search_decay_beta(attn, acts: LayerActivations, windows: int, bf16: bool = False):
-    """Per head, the (beta, decay) among the prior and the grid with the lowest `head_errors`."""
-    heads = attn.num_heads
+    """Per state, the (beta, decay) among the prior and the grid with the lowest `head_errors` (averaged over the
+    query heads reading it)."""
+    states = attn.num_state_heads
     inputs = acts.inputs[:windows]
     target = acts.heads[:windows]
     candidates = []
     prior_beta = prior_decay = None
     if acts.entropy is not None:
-        prior_beta = I.beta_from_entropy(acts.entropy)
-        prior_decay = I.decay_from_distance(acts.mean_distance) if attn.gate != "none" else None
+        prior_beta = I.beta_from_entropy(group_mean(acts.entropy, states))
+        prior_decay = I.decay_from_distance(group_mean(acts.mean_distance, states)) if attn.gate != "none" else None
         candidates.append((prior_beta, prior_decay))
     half_lives = CANDIDATE_HALF_LIVES if attn.gate != "none" else (None,)
     for beta in CANDIDATE_BETAS:
         for half_life in half_lives:
-            decay = None if half_life is None else torch.full((heads,), 0.5 ** (1.0 / half_life))
-            candidates.append((torch.full((heads,), beta), decay))
-    best_err = torch.full((heads,), float("inf"))
-    best_beta = torch.full((heads,), I.COPY_BETA)
-    best_decay = torch.ones(heads) if attn.gate != "none" else None
+            decay = None if half_life is None else torch.full((states,), 0.5 ** (1.0 / half_life))
+            candidates.append((torch.full((states,), beta), decay))
+    best_err = torch.full((states,), float("inf"))
+    best_beta = torch.full((states,), I.COPY_BETA)
+    best_decay = torch.ones(states) if attn.gate != "none" else None
     for beta, decay in candidates:
         attn.set_beta_at_rest(beta)
         if decay is not None:
             attn.set_decay_at_rest(decay)
-        err = head_errors(attn, inputs, target, bf16)
+        err = group_mean(head_errors(attn, inputs, target, bf16), states)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_beta = torch.where(better, beta, best_beta)
@@ -141,5 +149,5 @@ def calibrate_layer(
     return info
 
 
-__all__ = ["CANDIDATE_BETAS", "CANDIDATE_HALF_LIVES", "LayerCalibration", "calibrate_layer", "head_errors",
-           "search_decay_beta"]
+__all__ = ["CANDIDATE_BETAS", "CANDIDATE_HALF_LIVES", "LayerCalibration", "calibrate_layer", "group_mean",
+           "head_errors", "search_decay_beta"]

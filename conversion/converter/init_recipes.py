@@ -5,7 +5,8 @@ Initialisation):
 
 * the short conv passes the current token through unchanged (last tap 1, no activation after it);
 * the output gate is `SiLU(g_proj x + 1.28)` with `g_proj` weights of std 0.002, i.e. about 1 at the start;
-* beta starts at 0.5 and the decay half-lives are spread log-uniformly over the heads (1 to 256 tokens);
+* beta starts at 0.5 and the decay half-lives are spread log-uniformly over the states (1 to 256 tokens; one
+  state per head, or per KV head with a GQA-shared state);
 * the output RMSNorm weight is ones until `set_output_norm` gives it the per-channel RMS of the teacher's
   attention output (before `o_proj`), the decisive statistic.
 
@@ -57,8 +58,8 @@ def init_new_parameters(attn, generator: torch.Generator | None = None) -> None:
             normal_(attn.g_proj.weight, GATE_STD)
             attn.g_proj.bias.fill_(GATE_BIAS)
         attn.o_norm.weight.fill_(1.0)
-    attn.set_beta_at_rest(torch.full((attn.num_heads,), COPY_BETA))
-    attn.set_decay_at_rest(0.5 ** (1.0 / copy_half_lives(attn.num_heads)))
+    attn.set_beta_at_rest(torch.full((attn.num_state_heads,), COPY_BETA))
+    attn.set_decay_at_rest(0.5 ** (1.0 / copy_half_lives(attn.num_state_heads)))
 
 
 def set_output_norm(attn, channel_rms: torch.Tensor) -> None:

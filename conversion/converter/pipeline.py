@@ -63,6 +63,12 @@ class ConversionSettings:
     output_gate: bool = dataclasses.field(default=True, metadata={"help": "delta output gate (--no_output_gate: off)"})
     allow_neg_eigval: bool = dataclasses.field(default=False, metadata={"help": "beta in (0, 2) instead of (0, 1)"})
     chunk_size: int = dataclasses.field(default=64, metadata={"help": "chunk length of the chunked kernel"})
+    gqa_state: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "one delta state per KV head, read by its group of query heads (k/v projections taken as "
+                          "they are, beta and decay per KV head): the state memory shrinks by heads / KV heads (3x for "
+                          "SmolLM2). Default: one state per query head (k/v repeated over each group)"},
+    )
     calibration_tokens: int = dataclasses.field(default=4096, metadata={"help": "tokens of calibration text"})
     calibration_seq_len: int = dataclasses.field(default=512, metadata={"help": "length of a calibration window"})
     calibration_steps: int = dataclasses.field(
@@ -104,7 +110,8 @@ class ConversionSettings:
         check_window(self.attention_window)
 
     def delta_options(self) -> DeltaOptions:
-        return DeltaOptions(self.gate, self.conv_kernel_size, self.output_gate, self.allow_neg_eigval, self.chunk_size)
+        return DeltaOptions(self.gate, self.conv_kernel_size, self.output_gate, self.allow_neg_eigval, self.chunk_size,
+                            gqa_state=self.gqa_state)
 
 
 @dataclasses.dataclass
@@ -241,8 +248,7 @@ def build_delta_model(source_model, plan: LayerPlan, settings: ConversionSetting
     generator = torch.Generator().manual_seed(settings.seed)
     for i in plan.delta:
         attn = model.model.layers[i].self_attn
-        copy_delta_projections(source_model.model.layers[i].self_attn, attn, config.num_attention_heads,
-                                 config.num_key_value_heads)
+        copy_delta_projections(source_model.model.layers[i].self_attn, attn, config.num_key_value_heads)
         I.init_new_parameters(attn, generator)
     generation_config = getattr(source_model, "generation_config", None)
     if generation_config is not None:

@@ -17,6 +17,7 @@ class DeltaOptions:
     output_gate: bool = True
     allow_neg_eigval: bool = False
     chunk_size: int = 64
+    gqa_state: bool = False  # one state per KV head, read by its group of query heads (else one per query head)
 
 
 def _bias_flags(source_config, model=None) -> tuple[bool, bool]:
@@ -51,8 +52,9 @@ def delta_config_from_source(source_config, layer_types: list[str], options: Del
                              model=None, sliding_window: int | None = None) -> DeltaConfig:
     """A `DeltaConfig` with the source's sizes, norms, positions and biases and the given layer types.
 
-    Delta layers get one state per query head (k/v repeated over the GQA groups), head dims equal to the
-    source's, no activation after the short conv (it would distort the copied q/k/v), a SiLU output gate.
+    Delta layers get one state per query head (k/v repeated over the GQA groups), or with `options.gqa_state`
+    one per KV head read by its group of query heads (k/v as in the source), head dims equal to the source's,
+    no activation after the short conv (it would distort the copied q/k/v), a SiLU output gate.
     `sliding_window` is the window of the `sliding_attention` layers (a plan's `sliding_window`); left out,
     they keep the source's.
     """
@@ -97,6 +99,7 @@ def delta_config_from_source(source_config, layer_types: list[str], options: Del
         linear_output_gate_activation="silu",
         linear_allow_neg_eigval=options.allow_neg_eigval,
         linear_chunk_size=options.chunk_size,
+        linear_state_sharing="kv_head" if options.gqa_state else "head",
         **_token_ids(cfg),
     )
 

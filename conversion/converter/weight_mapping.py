@@ -1,8 +1,8 @@
 """Weight mapping of a conversion: what the converted model takes over from its source.
 
 `copy_shared_weights` copies what stays: embeddings, norms, MLPs, lm_head and the kept softmax layers.
-`copy_delta_projections` gives a delta layer the source's q/o projections and its k/v projections repeated over
-the GQA groups (one state per query head).
+`copy_delta_projections` gives a delta layer the source's q/o projections and its k/v projections, repeated over
+the GQA groups for one state per query head, or as they are for one state per KV head (`gqa_state`).
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ def repeat_kv_rows(weight: torch.Tensor, kv_heads: int, groups: int) -> torch.Te
     return per_head.repeat_interleave(groups, dim=0).reshape(shape[0] * groups, *shape[1:])
 
 
-def copy_delta_projections(src_attn, dst_attn, num_heads: int, kv_heads: int) -> None:
-    """q/o copied, k/v repeated over the GQA groups, biases alike, q/k RMSNorm (Qwen3) copied."""
-    groups = num_heads // kv_heads
+def copy_delta_projections(src_attn, dst_attn, kv_heads: int) -> None:
+    """q/o copied, k/v repeated over the GQA groups up to the delta layer's states (`dst_attn.num_state_heads`:
+    one per query head, or one per KV head, then copied as they are), biases alike, q/k RMSNorm (Qwen3) copied."""
+    groups = dst_attn.num_state_heads // kv_heads
     copy_tensor(dst_attn.q_proj.weight, src_attn.q_proj.weight)
     copy_tensor(dst_attn.o_proj.weight, src_attn.o_proj.weight)
     copy_tensor(dst_attn.k_proj.weight, repeat_kv_rows(src_attn.k_proj.weight, kv_heads, groups))

@@ -101,6 +101,7 @@ def conversion_card(result, model_path: str = ".", has_tokenizer: bool = True) -
         conv_kernel_size=config.linear_conv_kernel_size,
         output_gate="SiLU(g_proj x + 1.28), g_proj std 0.002" if config.linear_output_gate else "off",
         kv_groups=config.num_attention_heads // config.num_key_value_heads,
+        gqa_state=config.linear_state_sharing == "kv_head",
         qk_norm=config.use_qk_norm,
         calibration_summary=summary,
         layer_errors=_round_list(sorted(errors.items())) if errors else None,
