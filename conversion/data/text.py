@@ -1,8 +1,10 @@
 """Text data for distillation and fine-tuning, through `datasets`: load, tokenise, pack, shuffle by seed.
 
 A data source is one of
-* `"builtin:train"` / `"builtin:heldout"`: the project's offline corpora (`assets.py`), with its fixed
-  held-out split (training never reads `builtin:heldout`);
+* a built-in set of the project's offline corpora (`assets.py`): `builtin:train` (the training corpora mixed by
+  their default weights, or `builtin:train:sotu=0.5,brown=0.5` for another mix), and the evaluation sets that
+  training never reads: `builtin:heldout` (the fixed held-out documents of the training corpora),
+  `builtin:crossdomain` (the corpora held out whole) and `builtin:heldout:<corpus>` (one corpus's part of those);
 * a local file or folder of `.txt`, `.jsonl`/`.json` or `.parquet` files;
 * a Hub dataset name, optionally `name:config` (loaded with `datasets.load_dataset`).
 Texts are tokenised, joined with the EOS token between documents and cut into blocks of `seq_len` tokens.
@@ -36,7 +38,8 @@ class DataOptions:
 
     dataset: str = dataclasses.field(
         default="builtin:train",
-        metadata={"help": "builtin:train, a local txt/jsonl/parquet file or folder, or a Hub dataset name[:config]"},
+        metadata={"help": "builtin:train[:CORPUS=WEIGHT,...], a local txt/jsonl/parquet file or folder, or a Hub "
+                          "dataset name[:config]"},
     )
     dataset_split: str = dataclasses.field(default="train", metadata={"help": "split of a Hub/local dataset"})
     text_column: str = dataclasses.field(default="text", metadata={"help": "column holding the text"})
@@ -62,6 +65,7 @@ class DataOptions:
             raise ValueError(f"--packing must be one of {', '.join(PACKINGS)}, got {self.packing!r}")
         if self.shuffle_buffer < 1:
             raise ValueError(f"--shuffle_buffer must be at least 1 (1 keeps the file order), got {self.shuffle_buffer}")
+        check_trainable(self.dataset)
         return self
 
 
@@ -212,6 +216,57 @@ def _load_hub(source: str, split: str, streaming: bool):
         ) from error
 
 
+BUILTIN_SETS = ("builtin:train[:CORPUS=WEIGHT,...], builtin:heldout, builtin:crossdomain or "
+                "builtin:heldout:CORPUS")
+
+
+def _builtin_weights(source: str, text: str) -> dict[str, float]:
+    """`sotu=0.5,brown=0.5` (a bare name weighs 1) as a dict; a `ValueError` names a weight that is no number."""
+    weights = {}
+    for entry in (e.strip() for e in text.split(",") if e.strip()):
+        name, _, weight = entry.partition("=")
+        try:
+            weights[name.strip()] = float(weight) if weight else 1.0
+        except ValueError:
+            raise ValueError(f"{source}: the weight of {name.strip()!r} is not a number ({weight!r}); write "
+                             f"builtin:train:sotu=0.5,brown=0.5") from None
+    return weights
+
+
+def builtin_documents(source: str) -> list:
+    """The `assets.Document`s of a built-in set (see the module docstring), in a fixed order.
+
+    Training sets are `assets.training_documents`; the evaluation sets never share a document with them."""
+    from . import assets
+
+    _, which, rest = (source.split(":", 2) + [""])[:3]
+    if which == "train":
+        return assets.training_documents(_builtin_weights(source, rest) if rest else None)
+    if which in ("heldout", "crossdomain") and not rest:
+        return assets.documents(which)
+    if which == "heldout":
+        item = assets.corpus(rest)
+        return assets.documents("crossdomain" if item.role == "crossdomain" else "heldout", corpora=[item.name])
+    raise ValueError(f"unknown built-in set {source!r}; use {BUILTIN_SETS}")
+
+
+def check_trainable(source: str) -> None:
+    """Raise a `ValueError` when `source` is a built-in evaluation set (held-out and cross-domain text never
+    reaches training), an unknown built-in set, or a `builtin:train` mix naming a corpus it may not train on."""
+    if not source.startswith("builtin:"):
+        return
+    from .assets import check_train_weights
+
+    _, which, rest = (source.split(":", 2) + [""])[:3]
+    if which in ("heldout", "crossdomain"):
+        raise ValueError(f"{source} is the evaluation split (never trained on); train on builtin:train or your own "
+                         "data")
+    if which != "train":
+        raise ValueError(f"unknown built-in set {source!r}; use {BUILTIN_SETS}")
+    if rest:
+        check_train_weights(_builtin_weights(source, rest))
+
+
 def load_texts(source: str, split: str = "train", text_column: str = "text", streaming: bool = False,
                column_flag: str = "--text_column"):
     """A `datasets.Dataset` (or `IterableDataset` when streaming) with one column `text` (from `text_column`).
@@ -219,18 +274,11 @@ def load_texts(source: str, split: str = "train", text_column: str = "text", str
     `column_flag` is the command-line flag that names `text_column`, for the error when the column is missing
     (`--messages_column` when loading chat conversations).
     """
-    if source.startswith("builtin:"):
-        from .assets import heldout_texts, train_texts
-
-        which = source.split(":", 1)[1]
-        if which not in ("train", "heldout"):
-            raise ValueError(f"unknown built-in corpus {source!r}; use 'builtin:train' or 'builtin:heldout'")
-        texts = train_texts() if which == "train" else heldout_texts()
-        dataset = datasets.Dataset.from_dict({"text": texts})
-        return dataset.to_iterable_dataset() if streaming else dataset
-
     path = Path(source).expanduser()
-    if path.exists():
+    if source.startswith("builtin:"):
+        dataset = datasets.Dataset.from_dict({"text": [d.text for d in builtin_documents(source)]})
+        dataset = dataset.to_iterable_dataset() if streaming else dataset
+    elif path.exists():
         dataset = _load_local(source, path, streaming)
     elif _looks_like_hub_name(source):
         dataset = _load_hub(source, split, streaming)
@@ -299,8 +347,6 @@ def training_blocks(options: DataOptions, tokenizer):
     import torch
 
     options.validate()
-    if options.dataset == "builtin:heldout":
-        raise ValueError("builtin:heldout is the evaluation split; train on builtin:train or your own data")
     texts = load_texts(options.dataset, options.dataset_split, options.text_column, options.streaming)
     blocks = pack_blocks(texts, tokenizer, options.seq_len)
     eos = tokenizer.eos_token_id if options.packing == "boundary" else None
@@ -313,3 +359,27 @@ def training_blocks(options: DataOptions, tokenizer):
         raise ValueError(f"{options.dataset}: not enough text for one block of {options.seq_len} tokens")
     ids = torch.tensor(blocks["input_ids"][:], dtype=torch.long)
     return ids if eos is None else {"input_ids": ids, "position_ids": document_position_ids(ids, eos)}
+
+
+def evaluation_texts(source: str, text_column: str = "text") -> list[list[str]]:
+    """The texts of an evaluation source in groups scored with equal weight: one group per corpus of a built-in
+    set (so that `builtin:crossdomain` weighs its corpora the same however many documents each has), a single
+    group for any other source."""
+    if not source.startswith("builtin:"):
+        return [list(load_texts(source, text_column=text_column)["text"])]
+    groups: dict[str, list[str]] = {}
+    for doc in builtin_documents(source):
+        groups.setdefault(doc.corpus, []).append(doc.text)
+    return list(groups.values())
+
+
+def evaluation_windows(source: str, tokenizer, seq_len: int, num_windows: int) -> "torch.Tensor":
+    """`[num_windows, seq_len]` token windows of an evaluation source, split evenly over its groups
+    (`evaluation_texts`) and within a group spread over its documents (`token_windows`)."""
+    import torch
+
+    from .windows import token_windows
+
+    groups = evaluation_texts(source)
+    counts = [num_windows // len(groups) + (i < num_windows % len(groups)) for i in range(len(groups))]
+    return torch.cat([token_windows(tokenizer, texts, seq_len, n) for texts, n in zip(groups, counts) if n])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from .peak_memory import task_peak_memory
 from .perplexity import perplexity_of_texts
 from .tasks import decode_speed, mean_over_depths, passkey_grid
 from ..loading import check_model_spec, load_model
-from ..data.text import load_texts
+from ..data.text import evaluation_texts
 
 TASKS = ("perplexity", "long_ppl", "passkey", "speed")
 
@@ -29,7 +30,9 @@ class EvaluateOptions:
     teacher: str | None = dataclasses.field(default=None, metadata={"help": "a second model evaluated side by side"})
     tasks: str = dataclasses.field(default="perplexity,long_ppl,passkey,speed",
                                    metadata={"help": f"comma-separated: {TASKS}"})
-    dataset: str = dataclasses.field(default="builtin:heldout", metadata={"help": "texts for perplexity"})
+    dataset: str = dataclasses.field(default="builtin:heldout,builtin:crossdomain", metadata={
+        "help": "texts for perplexity: one set, or several comma-separated (one row each: in-domain held-out and "
+                "cross-domain by default); long_ppl reads the first"})
     text_column: str = dataclasses.field(default="text", metadata={"help": "column holding the text"})
     max_tokens: int = dataclasses.field(default=16_384, metadata={"help": "tokens scored for perplexity (0 = all)"})
     window: int = dataclasses.field(default=1024, metadata={"help": "perplexity window"})
@@ -60,8 +63,23 @@ def load_model_and_tokenizer(spec: str, dtype: torch.dtype = torch.float32):
     return load_model(spec, dtype=dtype)
 
 
-def evaluate_model(model, tokenizer, options: EvaluateOptions, texts: list[str] | None) -> dict:
-    """Every task asked for, on one model."""
+def set_perplexity(model, tokenizer, groups: list[list[str]], window: int, stride: int,
+                   max_tokens: int | None = None) -> dict:
+    """Perplexity of one evaluation set given as groups of texts (`evaluation_texts`: one group per corpus of a
+    built-in set): each group scores `max_tokens / len(groups)` tokens (`perplexity_of_texts`), so the corpora
+    weigh the same; the NLL is averaged over every scored token."""
+    share = max_tokens // len(groups) if max_tokens else None
+    parts = [perplexity_of_texts(model, tokenizer, texts, window, stride, share) for texts in groups]
+    tokens = sum(part["tokens"] for part in parts)
+    nll = sum(part["nll"] * part["tokens"] for part in parts) / tokens
+    return {"perplexity": math.exp(nll), "nll": nll, "tokens": tokens}
+
+
+def evaluate_model(model, tokenizer, options: EvaluateOptions, texts: list[str] | None,
+                   perplexity_sets: dict[str, list[list[str]]] | None = None) -> dict:
+    """Every task asked for, on one model. `perplexity_sets` (set name -> groups of texts) gives one perplexity
+    per set (`perplexity_sets` of the result; `perplexity` is the first set's); without it, `texts` is the one
+    set."""
     tasks = [t.strip() for t in options.tasks.split(",") if t.strip()]
     unknown = sorted(set(tasks) - set(TASKS))
     if unknown:
@@ -70,8 +88,11 @@ def evaluate_model(model, tokenizer, options: EvaluateOptions, texts: list[str] 
     result = {"max_position_embeddings": trained_context(model)}
     if "perplexity" in tasks:
         with task_peak_memory(result, "perplexity", device):
-            result["perplexity"] = perplexity_of_texts(model, tokenizer, texts, options.window, options.stride,
-                                                       options.max_tokens or None)
+            sets = perplexity_sets or {options.dataset: [texts]}
+            result["perplexity_sets"] = {name: set_perplexity(model, tokenizer, groups, options.window, options.stride,
+                                                              options.max_tokens or None)
+                                         for name, groups in sets.items()}
+            result["perplexity"] = next(iter(result["perplexity_sets"].values()))
     if "long_ppl" in tasks:
         with task_peak_memory(result, "long_ppl", device):
             result["long_ppl"] = long_perplexity(model, tokenizer, texts, options.long_max_tokens,
@@ -96,9 +117,10 @@ def markdown_report(report: dict) -> str:
     head = "| | " + " | ".join(names) + " |\n|---|" + "---|" * len(names) + "\n"
     lines = [f"# Evaluation ({report['date']})", ""]
     if all("perplexity" in r for r in results):
-        lines += ["## Perplexity", "", f"on `{report['dataset']}`, window {report['window']}, stride {report['stride']}",
-                  "", head + "| perplexity | " + " | ".join(f"{r['perplexity']['perplexity']:.2f}" for r in results)
-                  + " |\n| tokens | " + " | ".join(f"{r['perplexity']['tokens']:,}" for r in results) + " |", ""]
+        lines += ["## Perplexity", "", f"window {report['window']}, stride {report['stride']}; one row per set "
+                  "(`builtin:heldout`: held-out documents of the training corpora; `builtin:crossdomain`: corpora of "
+                  "other domains and eras held out of training whole)", "",
+                  head + perplexity_rows(results, teacher=len(results) > 1), ""]
     if all("passkey" in r for r in results):
         rows = "".join(f"| {length} tokens | " + " | ".join(f"{r['passkey'][length]:.0%}" for r in results) + " |\n"
                        for length in results[0]["passkey"])
@@ -114,6 +136,22 @@ def markdown_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def perplexity_rows(results: list[dict], teacher: bool) -> str:
+    """Markdown rows (one column per model) of the perplexity of each set, its scored tokens and, with a teacher
+    (the last model), each model's ratio to the teacher's perplexity on that set."""
+    sets = results[0].get("perplexity_sets") or {"perplexity": results[0]["perplexity"]}
+    rows = []
+    for name in sets:
+        scores = [(r.get("perplexity_sets") or {"perplexity": r["perplexity"]})[name] for r in results]
+        label = f"`{name}`" if name != "perplexity" else "perplexity"
+        rows.append(f"| {label} | " + " | ".join(f"{s['perplexity']:.2f}" for s in scores) + " |")
+        if teacher:
+            rows.append(f"| {label} vs teacher | "
+                        + " | ".join(f"{s['perplexity'] / scores[-1]['perplexity']:.2f}x" for s in scores) + " |")
+        rows.append(f"| {label} tokens | " + " | ".join(f"{s['tokens']:,}" for s in scores) + " |")
+    return "\n".join(rows)
+
+
 def run_evaluate(options: EvaluateOptions) -> dict:
     """Evaluate the model (and the teacher); writes `report.json` and `report.md` under `output_dir`."""
     if not options.model:
@@ -123,14 +161,17 @@ def run_evaluate(options: EvaluateOptions) -> dict:
     if options.teacher:
         check_model_spec(options.teacher, "teacher")
     dtype = torch.bfloat16 if options.bf16 else torch.float32
-    texts = None
+    texts = perplexity_sets = None
     if "perplexity" in options.tasks or "long_ppl" in options.tasks:
-        texts = list(load_texts(options.dataset, text_column=options.text_column)["text"])
+        names = [name.strip() for name in options.dataset.split(",") if name.strip()]
+        perplexity_sets = {name: evaluation_texts(name, options.text_column) for name in names}
+        texts = [text for group in perplexity_sets[names[0]] for text in group]
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "dataset": options.dataset, "window": options.window,
               "stride": options.stride, "threads": torch.get_num_threads(), "models": {}}
     for spec in [options.model] + ([options.teacher] if options.teacher else []):
         model, tokenizer = load_model_and_tokenizer(spec, dtype)
-        report["models"][Path(str(spec)).name or str(spec)] = evaluate_model(model, tokenizer, options, texts)
+        report["models"][Path(str(spec)).name or str(spec)] = evaluate_model(model, tokenizer, options, texts,
+                                                                             perplexity_sets)
         del model
     out = Path(options.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -117,7 +117,10 @@ def conversion_card(result, model_path: str = ".", has_tokenizer: bool = True) -
 
 # ----------------------------------------------------------------------------------------------- distilled
 
-EVAL_NAMES = {"builtin:heldout": "held-out State of the Union and Shakespeare text"}
+EVAL_NAMES = {
+    "builtin:heldout": "held-out documents of the training corpora (State of the Union, Shakespeare, Brown Corpus)",
+    "builtin:crossdomain": "corpora of other domains and eras held out of training whole (e-mail, King James Bible)",
+}
 
 
 def _display(name: str | None) -> str | None:
@@ -156,6 +159,11 @@ def distilled_card(conversion: dict, results: dict, model_name: str, eval_datase
     if final is not None:
         eval_results = [EvalResult(task_type="text-generation", dataset_type="text", dataset_name=eval_name,
                                    metric_type="perplexity", metric_value=round(final, 3))]
+        final_crossdomain = (results.get("stage2") or results.get("stage1")).get("crossdomain_ppl")
+        if final_crossdomain is not None:
+            eval_results.append(EvalResult(task_type="text-generation", dataset_type="text",
+                                           dataset_name=_display(results.get("crossdomain_dataset")),
+                                           metric_type="perplexity", metric_value=round(final_crossdomain, 3)))
     hub_source = source.get("kind") == "hub"
     data = ModelCardData(library_name="transformers", pipeline_tag="text-generation",
                          base_model=source["spec"] if hub_source else None, model_name=model_name,
@@ -186,21 +194,34 @@ def distilled_card(conversion: dict, results: dict, model_name: str, eval_datase
 
 def results_table(results: dict) -> str:
     """Markdown table: teacher vs student held-out perplexity after each step of the recipe (every row scored in
-    the precision `results["eval_precision"]` names, shown in the header)."""
-    teacher = results.get("teacher_ppl")
-    rows = [("teacher", teacher), ("converted, untrained", results.get("converted_ppl"))]
+    the precision `results["eval_precision"]` names, shown in the header), and beside it the cross-domain
+    perplexity when it was measured (`teacher_crossdomain_ppl`, `crossdomain_ppl` of each stage)."""
+    teacher, cross_teacher = results.get("teacher_ppl"), results.get("teacher_crossdomain_ppl")
+    rows = [("teacher", teacher, cross_teacher),
+            ("converted, untrained", results.get("converted_ppl"), results.get("converted_crossdomain_ppl"))]
     for stage in ("stage1", "stage2"):
         if stage in results:
             rows.append((f"after {stage.replace('stage', 'stage ')} ({results[stage]['tokens']:,} tokens)",
-                         results[stage].get("heldout_ppl")))
+                         results[stage].get("heldout_ppl"), results[stage].get("crossdomain_ppl")))
     precision = results.get("eval_precision")
     header = f"held-out perplexity ({precision})" if precision else "held-out perplexity"
     lines = [f"| model | {header} | vs teacher |", "|---|---|---|"]
-    for name, ppl in rows:
+    if cross_teacher is not None:
+        lines = [lines[0] + " cross-domain perplexity | vs teacher |", lines[1] + "---|---|"]
+
+    def cells(ppl, reference) -> str:
+        if ppl is None:
+            return " - | - |"
+        return f" {ppl:.2f} | {ppl / reference:.2f}x |" if reference else f" {ppl:.2f} | - |"
+
+    for name, ppl, cross in rows:
         if ppl is None:
             continue
-        ratio = f"{ppl / teacher:.2f}x" if teacher else "-"
-        lines.append(f"| {name} | {ppl:.2f} | {ratio} |")
+        lines.append(f"| {name} |" + cells(ppl, teacher) + (cells(cross, cross_teacher) if cross_teacher else ""))
+    if cross_teacher is not None:
+        name = results.get("crossdomain_dataset")
+        shown = f"`{name}`: {EVAL_NAMES[name]}" if name in EVAL_NAMES else f"`{_display(name)}`"
+        lines += ["", f"Cross-domain perplexity on {shown}; never trained on."]
     return "\n".join(lines)
 
 

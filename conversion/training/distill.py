@@ -20,8 +20,7 @@ from pathlib import Path
 import torch
 
 from ..converter.sources import SOURCE_ATTRIBUTE
-from ..data.text import DataOptions, load_texts, training_blocks, warn_if_longer_than_model
-from ..data.windows import token_windows
+from ..data.text import DataOptions, evaluation_windows, training_blocks, warn_if_longer_than_model
 from ..evaluation.perplexity import perplexity
 from ..loading import check_model_spec, load_model
 from ..output_folder import check_output_folder, on_main_process, open_run_folder_once
@@ -81,6 +80,10 @@ class DistillOptions:
     )
     eval_tokens: int = dataclasses.field(default=16_384, metadata={"help": "held-out tokens for perplexity (0 = none)"})
     eval_seq_len: int | None = dataclasses.field(default=None, metadata={"help": "evaluation window (default seq_len)"})
+    crossdomain_dataset: str = dataclasses.field(default="auto", metadata={
+        "help": "texts of other domains and eras (never trained on) whose perplexity is measured at the end of each "
+                "stage, beside the held-out one; auto: builtin:crossdomain when --eval_dataset is built-in, else "
+                "none; '' for none"})
 
 
 def _parse_stages(text: str) -> set[int]:
@@ -185,11 +188,13 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
     tokenizer = _load_tokenizer(options.student, teacher_tokenizer)
     warn_if_longer_than_model(data.seq_len, student.config)
     blocks = training_blocks(data, tokenizer)
-    eval_windows = None
+    eval_windows = crossdomain_windows = None
     if options.eval_tokens:
         seq = options.eval_seq_len or data.seq_len
-        texts = list(load_texts(options.eval_dataset)["text"])
-        eval_windows = token_windows(tokenizer, texts, seq, max(1, options.eval_tokens // seq))
+        eval_windows = evaluation_windows(options.eval_dataset, tokenizer, seq, max(1, options.eval_tokens // seq))
+        crossdomain = _crossdomain_source(options)
+        if crossdomain:
+            crossdomain_windows = evaluation_windows(crossdomain, tokenizer, seq, max(1, options.eval_tokens // seq))
 
     run = open_run_folder_once(Path(options.output_dir), "distill", overwrite=options.overwrite,
                                resume=training.resume)
@@ -205,6 +210,10 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
         if "teacher_ppl" not in results:
             results["teacher_ppl"] = perplexity(teacher, eval_windows, desc="teacher perplexity")
             results["converted_ppl"] = perplexity(student, eval_windows, desc="untrained student perplexity")
+        if crossdomain_windows is not None and "teacher_crossdomain_ppl" not in results:
+            results["crossdomain_dataset"] = crossdomain
+            results["teacher_crossdomain_ppl"] = _crossdomain_ppl(teacher, crossdomain_windows)
+            results["converted_crossdomain_ppl"] = _crossdomain_ppl(student, crossdomain_windows)
     layers = delta_layer_indices(student)
     results.update(recipe={"stages": sorted(stages), "seq_len": data.seq_len, "dataset": data.dataset,
                            "batch_size": training.batch_size, "mixed_precision": training.mixed_precision})
@@ -229,7 +238,8 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
             results["stage1"] = {"tokens": result.tokens, "seconds": time.perf_counter() - started,
                                  "tokens_per_s": result.tokens / max(result.seconds, 1e-9), "final_mse": result.final_loss,
                                  "lr": options.stage1_lr, "params": options.stage1_params,
-                                 "heldout_ppl": result.evaluations[-1]["heldout_ppl"] if result.evaluations else None}
+                                 "heldout_ppl": result.evaluations[-1]["heldout_ppl"] if result.evaluations else None,
+                                 "crossdomain_ppl": _crossdomain_ppl(student, crossdomain_windows)}
             on_main_process(atomic_save, lambda folder: save_model_and_tokenizer(student, tokenizer, folder),
                              stage1_model)
         on_main_process(_write_results, out, results)
@@ -256,7 +266,8 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
                              "lr": options.stage2_lr, "new_params_lr": options.stage2_new_params_lr,
                              "lora": lora.record(),
                              "temperature": options.temperature, "ce_weight": options.ce_weight,
-                             "heldout_ppl": result.evaluations[-1]["heldout_ppl"] if result.evaluations else None}
+                             "heldout_ppl": result.evaluations[-1]["heldout_ppl"] if result.evaluations else None,
+                             "crossdomain_ppl": _crossdomain_ppl(peft_model, crossdomain_windows)}
         if options.output == "merged":
             merged = peft_model.merge_and_unload()
             on_main_process(atomic_save, lambda folder: _save_distilled(merged, tokenizer, folder, options, results),
@@ -272,6 +283,26 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
     on_main_process(run.finish)
     print(results_table(results))
     return results
+
+
+def _crossdomain_source(options: DistillOptions) -> str:
+    """The cross-domain evaluation source `--crossdomain_dataset` names ("" for none; see its help for auto)."""
+    if options.crossdomain_dataset != "auto":
+        return options.crossdomain_dataset
+    return "builtin:crossdomain" if options.eval_dataset.startswith("builtin:") else ""
+
+
+def _crossdomain_ppl(model, windows) -> float | None:
+    """Perplexity of `model` on the cross-domain windows (None without them), in eval mode and float32 like every
+    perplexity of results.json."""
+    if windows is None:
+        return None
+    was_training = model.training
+    model.eval()
+    try:
+        return perplexity(model, windows, desc="cross-domain perplexity")
+    finally:
+        model.train(was_training)
 
 
 def _objective_loss(objective, batch):
