@@ -99,10 +99,9 @@ def token_nlls(model, input_ids: torch.Tensor, piece_size: int = 1024, progress:
         out = model(input_ids=piece[None], cache=cache, use_cache=True)
         cache = out.cache
         logits = out.logits[0].float()  # [P, vocab]; row j predicts token start + j + 1
-        if carried is not None:
-            logits = torch.cat([carried[None], logits])  # [P + 1, vocab]: rows predict tokens start .. start + P
-        first, end = max(start, 1), start + len(piece)  # tokens first .. end - 1 are scored here
-        nlls[first - 1 : end - 1] = F.cross_entropy(logits[:-1], piece[first - start :], reduction="none").cpu()
+        if carried is not None:  # the previous piece's last logits predict this piece's first token
+            nlls[start - 1] = F.cross_entropy(carried[None], piece[:1]).cpu()
+        nlls[start : start + len(piece) - 1] = F.cross_entropy(logits[:-1], piece[1:], reduction="none").cpu()
         carried = logits[-1].clone()  # not a view: the piece's logits are freed
         del out, logits
         if device.type == "cpu":
