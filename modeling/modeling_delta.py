@@ -39,6 +39,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from .cache_io import load_cache, save_cache  # noqa: F401  (saved states ship with every checkpoint's code)
 from .configuration_delta import DeltaConfig
 from .delta_cache import DeltaCache, cached_length, use_delta_layers
 from .delta_prefill import KeptHidden, release_freed_memory
