@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "assets": ("delta_attention.scripts.assets", "fetch the offline model and text corpora into the cache folder"),
     "convert": ("delta_attention.scripts.convert", "convert a Llama/Mistral/Qwen checkpoint to delta attention"),
     "distill": ("delta_attention.scripts.distill", "distill a converted model from its teacher"),
+    "generate-data": ("delta_attention.scripts.generate_data", "have a teacher write training text and chat answers"),
     "finetune": ("delta_attention.scripts.finetune", "LoRA fine-tuning of a delta model"),
     "evaluate": ("delta_attention.scripts.evaluate", "perplexity, passkey retrieval, speed and memory"),
     "push": ("delta_attention.scripts.push", "push a model or adapter folder to the Hub"),

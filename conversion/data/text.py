@@ -6,7 +6,9 @@ A data source is one of
   training never reads: `builtin:heldout` (the fixed held-out documents of the training corpora),
   `builtin:crossdomain` (the corpora held out whole) and `builtin:heldout:<corpus>` (one corpus's part of those);
 * a local file or folder of `.txt`, `.jsonl`/`.json` or `.parquet` files;
-* a Hub dataset name, optionally `name:config` (loaded with `datasets.load_dataset`).
+* a Hub dataset name, optionally `name:config` (loaded with `datasets.load_dataset`);
+* `generated:OUT`, the samples `generate-data` wrote (`generated.py`), and mixes of sources by weight,
+  `builtin:train@0.5+generated:OUT@0.5` (`generated.mixed_rows`).
 Texts are tokenised, joined with the EOS token between documents and cut into blocks of `seq_len` tokens.
 With `packing="boundary"` (the default) every block comes with `position_ids` that restart at 0 after each EOS
 (a document cut by a block boundary starts its block at 0 too), as transformers' `DataCollatorWithFlattening`
@@ -39,7 +41,7 @@ class DataOptions:
     dataset: str = dataclasses.field(
         default="builtin:train",
         metadata={"help": "builtin:train[:CORPUS=WEIGHT,...], a local txt/jsonl/parquet file or folder, or a Hub "
-                          "dataset name[:config]"},
+                          "dataset name[:config]; generated:OUT (samples of generate-data); a mix A@0.7+B@0.3"},
     )
     dataset_split: str = dataclasses.field(default="train", metadata={"help": "split of a Hub/local dataset"})
     text_column: str = dataclasses.field(default="text", metadata={"help": "column holding the text"})
@@ -65,7 +67,9 @@ class DataOptions:
             raise ValueError(f"--packing must be one of {', '.join(PACKINGS)}, got {self.packing!r}")
         if self.shuffle_buffer < 1:
             raise ValueError(f"--shuffle_buffer must be at least 1 (1 keeps the file order), got {self.shuffle_buffer}")
-        check_trainable(self.dataset)
+        from .generated import check_sources
+
+        check_sources(self.dataset)  # each source of a mix `A@w+B@v`: check_trainable, generated: folders
         return self
 
 
@@ -274,6 +278,10 @@ def load_texts(source: str, split: str = "train", text_column: str = "text", str
     `column_flag` is the command-line flag that names `text_column`, for the error when the column is missing
     (`--messages_column` when loading chat conversations).
     """
+    if source.startswith("generated:"):  # teacher-generated samples: the chat or text shards of the folder
+        from .generated import generated_subfolder
+
+        source = generated_subfolder(source, text_column)
     path = Path(source).expanduser()
     if source.startswith("builtin:"):
         dataset = datasets.Dataset.from_dict({"text": [d.text for d in builtin_documents(source)]})
@@ -343,10 +351,15 @@ def training_blocks(options: DataOptions, tokenizer):
 
     With `packing="plain"`, or a tokenizer without EOS, a `[N, seq_len]` LongTensor of token ids; with
     `packing="boundary"` a dict of that (`input_ids`) and its `position_ids` (`document_position_ids`). When
-    streaming, an `IterableDataset` of such rows shuffled through a buffer with `options.seed`."""
+    streaming, an `IterableDataset` of such rows shuffled through a buffer with `options.seed`. A mix or
+    teacher-generated source gives `generated.mixed_rows`' dict (with `labels` when it holds chat rows)."""
     import torch
 
     options.validate()
+    from .generated import is_mixture, mixed_rows
+
+    if is_mixture(options.dataset):  # several sources, weights, or teacher-generated chat: rows with labels
+        return mixed_rows(options, tokenizer)
     texts = load_texts(options.dataset, options.dataset_split, options.text_column, options.streaming)
     blocks = pack_blocks(texts, tokenizer, options.seq_len)
     eos = tokenizer.eos_token_id if options.packing == "boundary" else None

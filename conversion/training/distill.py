@@ -257,7 +257,7 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
         objective = LogitDistillation(teacher, peft_model, options.temperature, options.ce_weight)
         started = time.perf_counter()
         result = run_training(
-            objective, _objective_loss, groups, blocks, training, out / "stage2", options.stage2_tokens,
+            objective, _answer_loss, groups, blocks, training, out / "stage2", options.stage2_tokens,
             seed=data.seed + 1,
             evaluate=(lambda _: evaluate(peft_model)) if evaluate else None, description="stage 2 (logit distillation)",
         )
@@ -309,6 +309,13 @@ def _objective_loss(objective, batch):
     """The training loop's `compute_loss` for either stage: the objective module on the batch's token ids (and
     position ids when the blocks are packed with document boundaries)."""
     return objective(**batch_inputs(batch))
+
+
+def _answer_loss(objective, batch):
+    """Stage 2's `compute_loss`: `_objective_loss`, plus the `labels` of chat rows (teacher-generated answers, -100
+    outside them) so that only answer tokens count in the KL."""
+    labels = batch.get("labels") if isinstance(batch, dict) else None
+    return objective(**batch_inputs(batch), labels=labels)
 
 
 def _record_adapter_base(peft_model, options: DistillOptions, trained_stage1: bool) -> None:

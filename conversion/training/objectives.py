@@ -22,6 +22,7 @@ from torch import nn
 from delta_attention.modeling.configuration_delta import delta_layer_indices as _delta_layer_indices
 
 from ..converter.attention_transfer import collect_teacher_activations, relative_mse
+from ..data.chat import IGNORE_INDEX
 from ..evaluation.perplexity import perplexity
 
 def delta_layer_indices(student) -> list[int]:
@@ -122,16 +123,24 @@ class LogitDistillation(nn.Module):
         self.student, self.temperature, self.ce_weight = student, temperature, ce_weight
         object.__setattr__(self, "teacher", teacher)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-        """Teacher and student see the same `position_ids` (the same document boundaries when packed)."""
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """Teacher and student see the same `position_ids` (the same document boundaries when packed). With
+        `labels` (chat rows: -100 outside the answers, as `data.chat.chat_rows` makes them) only the positions that
+        predict a labelled token count, in the KL and the cross-entropy alike."""
         with torch.no_grad():
             teacher_logits = self.teacher(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
         student_logits = self.student(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+        ce_logits, ce_targets = student_logits[:, :-1], input_ids[:, 1:]  # [B, L-1, V], [B, L-1]
+        if labels is not None:
+            counted = labels[:, 1:] != IGNORE_INDEX  # [B, L-1]: position t predicts answer token t + 1
+            student_logits, teacher_logits = student_logits[:, :-1][counted], teacher_logits[:, :-1][counted]  # [n, V]
+            ce_logits, ce_targets = student_logits, labels[:, 1:][counted]
         kl = distillation_kl(student_logits, teacher_logits, self.temperature)
         metrics = {"kl": kl.item()}
         loss = kl
         if self.ce_weight:
-            ce = F.cross_entropy(student_logits[:, :-1].float().flatten(0, 1), input_ids[:, 1:].flatten())
+            ce = F.cross_entropy(ce_logits.float().flatten(0, -2), ce_targets.flatten())
             loss = loss + self.ce_weight * ce
             metrics["ce"] = ce.item()
         return loss, metrics
