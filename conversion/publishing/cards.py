@@ -153,8 +153,16 @@ def distilled_card(conversion: dict, results: dict, model_name: str, eval_datase
                                  + (f" + {s2['ce_weight']} CE" if s2["ce_weight"] else "")
                                  + f"; LoRA r={lora['r']}, alpha={lora['alpha']}, dropout={lora['dropout']} on "
                                    f"{lora['target_modules']}, merged"})
+    if "stage3" in results:
+        s3 = results["stage3"]
+        stages.append({"name": "3: long-context distillation", "tokens": f"{s3['tokens']:,}",
+                       "lr": f"{s3['lr']} (LoRA), {s3['new_params_lr']} (new parameters)",
+                       "recipe": f"KL(teacher \\| student) at T={s3['temperature']} on {s3['seq_len']:,}-token blocks "
+                                 f"({s3['packing']} packing), batch {s3['batch_size']}, logits in chunks of "
+                                 f"{s3['logit_chunk']}" + (", gradient checkpointing" if s3["gradient_checkpointing"]
+                                                           else "")})
     eval_name = _display(eval_dataset)
-    final = (results.get("stage2") or results.get("stage1") or {}).get("heldout_ppl")
+    final = (results.get("stage3") or results.get("stage2") or results.get("stage1") or {}).get("heldout_ppl")
     eval_results = None
     if final is not None:
         eval_results = [EvalResult(task_type="text-generation", dataset_type="text", dataset_name=eval_name,
@@ -199,7 +207,7 @@ def results_table(results: dict) -> str:
     teacher, cross_teacher = results.get("teacher_ppl"), results.get("teacher_crossdomain_ppl")
     rows = [("teacher", teacher, cross_teacher),
             ("converted, untrained", results.get("converted_ppl"), results.get("converted_crossdomain_ppl"))]
-    for stage in ("stage1", "stage2"):
+    for stage in ("stage1", "stage2", "stage3"):
         if stage in results:
             rows.append((f"after {stage.replace('stage', 'stage ')} ({results[stage]['tokens']:,} tokens)",
                          results[stage].get("heldout_ppl"), results[stage].get("crossdomain_ppl")))

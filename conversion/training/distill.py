@@ -1,8 +1,10 @@
-"""`distill`: the two-stage recipe from a converted folder to a distilled model, resumable stage by stage.
+"""`distill`: the two-stage recipe from a converted folder to a distilled model, resumable stage by stage, and an
+optional third stage on long blocks (`--stages 1,2,3`).
 
 Folder layout of a run (`output_dir`):
     stage1/checkpoints/, stage1/metrics.jsonl, stage1/model/     attention transfer and its result
     stage2/checkpoints/, stage2/metrics.jsonl                    logit distillation with LoRA
+    stage3/checkpoints/, stage3/metrics.jsonl                    long-context distillation (same LoRA, long blocks)
     model/ (merged, default) or adapter/                         the result, with an updated model card
     results.json, metrics.png                                    evaluation table and curves
 Every model folder is written under a temporary name and renamed when complete.
@@ -14,13 +16,14 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from ..converter.sources import SOURCE_ATTRIBUTE
-from ..data.text import DataOptions, evaluation_windows, training_blocks, warn_if_longer_than_model
+from ..data.text import PACKINGS, DataOptions, evaluation_windows, training_blocks, warn_if_longer_than_model
 from ..evaluation.perplexity import perplexity
 from ..loading import check_model_spec, load_model
 from ..output_folder import check_output_folder, on_main_process, open_run_folder_once
@@ -31,6 +34,7 @@ from .loop import TrainingOptions, run_training
 from .metrics import plot_metrics
 from .objectives import (
     AttentionTransfer,
+    ChunkedLogitDistillation,
     HeldoutEvaluator,
     LogitDistillation,
     add_lora,
@@ -59,7 +63,9 @@ class DistillOptions:
     force_overwrite: bool = dataclasses.field(
         default=False, metadata={"help": "with --overwrite: replace output_dir even if this tool did not write it"}
     )
-    stages: str = dataclasses.field(default="1,2", metadata={"help": "stages to run: 1, 2 or 1,2"})
+    stages: str = dataclasses.field(
+        default="1,2", metadata={"help": "stages to run: 1, 2, 1,2 or 1,2,3 (3: long-context distillation)"}
+    )
     stage1_tokens: int = dataclasses.field(default=200_000, metadata={"help": "token budget of attention transfer"})
     stage1_lr: float = dataclasses.field(default=3e-3, metadata={"help": "learning rate of stage 1"})
     stage1_params: str = dataclasses.field(
@@ -69,6 +75,28 @@ class DistillOptions:
     stage2_lr: float = dataclasses.field(default=3e-4, metadata={"help": "learning rate of the LoRA weights"})
     stage2_new_params_lr: float = dataclasses.field(
         default=1e-3, metadata={"help": "learning rate of the new delta parameters in stage 2"}
+    )
+    stage3_tokens: int = dataclasses.field(
+        default=65_536, metadata={"help": "token budget of long-context distillation (stage 3)"}
+    )
+    stage3_seq_len: int = dataclasses.field(default=4096, metadata={"help": "tokens per stage-3 block"})
+    stage3_batch_size: int = dataclasses.field(
+        default=1, metadata={"help": "stage-3 blocks per optimizer step (over all processes and accumulation steps)"}
+    )
+    stage3_packing: str = dataclasses.field(
+        default="plain",
+        metadata={"help": "plain: one run of positions per stage-3 block, the delta state carried across documents; "
+                          "boundary: positions restart per document (blocks are then as long as the documents)"},
+    )
+    stage3_lr: float = dataclasses.field(default=1e-4, metadata={"help": "learning rate of the LoRA weights, stage 3"})
+    stage3_new_params_lr: float = dataclasses.field(
+        default=3e-4, metadata={"help": "learning rate of the new delta parameters in stage 3"}
+    )
+    stage3_gradient_checkpointing: bool = dataclasses.field(
+        default=True, metadata={"help": "recompute the student's layer activations in stage 3's backward pass"}
+    )
+    stage3_logit_chunk: int = dataclasses.field(
+        default=512, metadata={"help": "positions per chunk of stage 3's logits and KL (bounds the logits held)"}
     )
     temperature: float = dataclasses.field(default=1.0, metadata={"help": "distillation temperature"})
     ce_weight: float = dataclasses.field(default=0.0, metadata={"help": "weight of a cross-entropy term in stage 2"})
@@ -88,8 +116,9 @@ class DistillOptions:
 
 def _parse_stages(text: str) -> set[int]:
     parts = [s for s in text.replace(" ", "").split(",") if s]
-    if not parts or any(p not in ("1", "2") for p in parts):
-        raise ValueError(f"--stages must name stages 1 and/or 2 (e.g. --stages 1,2 or --stages 2), got {text!r}")
+    if not parts or any(p not in ("1", "2", "3") for p in parts):
+        raise ValueError(f"--stages must name stages 1 and/or 2 and/or 3 (e.g. --stages 1,2 or --stages 1,2,3), "
+                         f"got {text!r}")
     return {int(p) for p in parts}
 
 
@@ -101,9 +130,16 @@ def _check_options(options: DistillOptions, data: DataOptions, training: Trainin
     if options.output not in ("merged", "adapter"):
         raise ValueError(f"--output must be 'merged' or 'adapter', got {options.output!r}")
     stages = _parse_stages(options.stages)
-    for name in ("stage1_tokens", "stage2_tokens"):
+    for name in ("stage1_tokens", "stage2_tokens", "stage3_tokens", "stage3_batch_size", "stage3_logit_chunk"):
         if getattr(options, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(options, name)}")
+    if options.stage3_seq_len < 2:
+        raise ValueError(f"--stage3_seq_len must be at least 2, got {options.stage3_seq_len}")
+    if options.stage3_packing not in PACKINGS:
+        raise ValueError(f"--stage3_packing must be one of {', '.join(PACKINGS)}, got {options.stage3_packing!r}")
+    if 3 in stages and options.stage3_batch_size % training.gradient_accumulation_steps:
+        raise ValueError(f"--stage3_batch_size ({options.stage3_batch_size}) must be a multiple of "
+                         f"--gradient_accumulation_steps ({training.gradient_accumulation_steps})")
     if options.teacher:
         check_model_spec(options.teacher, "teacher")
     training.validate()
@@ -187,7 +223,8 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
     teacher, teacher_tokenizer = _load_teacher(options, student)
     tokenizer = _load_tokenizer(options.student, teacher_tokenizer)
     warn_if_longer_than_model(data.seq_len, student.config)
-    blocks = training_blocks(data, tokenizer)
+    blocks = training_blocks(data, tokenizer) if stages & {1, 2} else None
+    long_blocks = _stage3_blocks(options, data, tokenizer, teacher.config) if 3 in stages else None
     eval_windows = crossdomain_windows = None
     if options.eval_tokens:
         seq = options.eval_seq_len or data.seq_len
@@ -244,30 +281,44 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
                              stage1_model)
         on_main_process(_write_results, out, results)
 
-    if 2 in stages:
+    if stages & {2, 3}:  # stage 3 goes on training stage 2's LoRA (and new parameters) on long blocks
         torch.manual_seed(data.seed + 1)  # the LoRA initialisation: the same --seed gives the same run
         peft_model, new_params = add_lora(student, lora_config(lora))
         lora_params = [p for n, p in peft_model.named_parameters() if "lora_" in n]
-        groups = [{"params": lora_params, "lr": options.stage2_lr}]
-        if options.output == "merged":
-            groups.append({"params": new_params, "lr": options.stage2_new_params_lr})
-        else:  # an adapter carries only LoRA weights: keep the new parameters as stage 1 left them
+        # an adapter carries only LoRA weights: keep the new parameters as stage 1 left them
+        if options.output != "merged":
             for p in new_params:
                 p.requires_grad_(False)
-        objective = LogitDistillation(teacher, peft_model, options.temperature, options.ce_weight)
-        started = time.perf_counter()
-        result = run_training(
-            objective, _answer_loss, groups, blocks, training, out / "stage2", options.stage2_tokens,
-            seed=data.seed + 1,
-            evaluate=(lambda _: evaluate(peft_model)) if evaluate else None, description="stage 2 (logit distillation)",
-        )
-        results["stage2"] = {"tokens": result.tokens, "seconds": time.perf_counter() - started,
-                             "tokens_per_s": result.tokens / max(result.seconds, 1e-9), "final_loss": result.final_loss,
-                             "lr": options.stage2_lr, "new_params_lr": options.stage2_new_params_lr,
-                             "lora": lora.record(),
-                             "temperature": options.temperature, "ce_weight": options.ce_weight,
-                             "heldout_ppl": result.evaluations[-1]["heldout_ppl"] if result.evaluations else None,
-                             "crossdomain_ppl": _crossdomain_ppl(peft_model, crossdomain_windows)}
+
+        def groups(lr: float, new_params_lr: float) -> list[dict]:
+            """AdamW groups of stages 2 and 3: the LoRA weights, and the new delta parameters when they train."""
+            trained = [{"params": new_params, "lr": new_params_lr}] if options.output == "merged" else []
+            return [{"params": lora_params, "lr": lr}, *trained]
+
+        if 2 in stages:
+            objective = LogitDistillation(teacher, peft_model, options.temperature, options.ce_weight)
+            started = time.perf_counter()
+            result = run_training(
+                objective, _answer_loss, groups(options.stage2_lr, options.stage2_new_params_lr), blocks, training,
+                out / "stage2", options.stage2_tokens, seed=data.seed + 1,
+                evaluate=(lambda _: evaluate(peft_model)) if evaluate else None,
+                description="stage 2 (logit distillation)",
+            )
+            results["stage2"] = {"tokens": result.tokens, "seconds": time.perf_counter() - started,
+                                 "tokens_per_s": result.tokens / max(result.seconds, 1e-9),
+                                 "final_loss": result.final_loss,
+                                 "lr": options.stage2_lr, "new_params_lr": options.stage2_new_params_lr,
+                                 "lora": lora.record(),
+                                 "temperature": options.temperature, "ce_weight": options.ce_weight,
+                                 "heldout_ppl": result.evaluations[-1]["heldout_ppl"] if result.evaluations else None,
+                                 "crossdomain_ppl": _crossdomain_ppl(peft_model, crossdomain_windows)}
+            on_main_process(_write_results, out, results)
+        if 3 in stages:
+            results["stage3"] = _long_context_stage(
+                options, data, training, teacher, peft_model, groups(options.stage3_lr, options.stage3_new_params_lr),
+                long_blocks, out / "stage3", evaluate)
+            results["stage3"]["lora"] = lora.record()
+            results["stage3"]["crossdomain_ppl"] = _crossdomain_ppl(peft_model, crossdomain_windows)
         if options.output == "merged":
             merged = peft_model.merge_and_unload()
             on_main_process(atomic_save, lambda folder: _save_distilled(merged, tokenizer, folder, options, results),
@@ -277,12 +328,56 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
             on_main_process(atomic_save, peft_model.save_pretrained, out / "adapter")
         on_main_process(_write_results, out, results)
 
-    runs = {f"stage {s}": out / f"stage{s}" / "metrics.jsonl" for s in (1, 2) if (out / f"stage{s}" / "metrics.jsonl").exists()}
+    runs = {f"stage {s}": out / f"stage{s}" / "metrics.jsonl" for s in (1, 2, 3)
+            if (out / f"stage{s}" / "metrics.jsonl").exists()}
     if runs:
         on_main_process(plot_metrics, runs, out / "metrics.png", title=f"distilling {Path(options.student).name}")
     on_main_process(run.finish)
     print(results_table(results))
     return results
+
+
+def _stage3_blocks(options: DistillOptions, data: DataOptions, tokenizer, teacher_config):
+    """Stage 3's long blocks: `--dataset` packed to `--stage3_seq_len` with `--stage3_packing` (one-line errors name
+    the stage-3 flags)."""
+    limit = getattr(teacher_config, "max_position_embeddings", None)
+    if isinstance(limit, int) and options.stage3_seq_len > limit:
+        print(f"warning: --stage3_seq_len {options.stage3_seq_len} is longer than the teacher's "
+              f"max_position_embeddings ({limit}); its targets past position {limit} come from positions it never "
+              "trained on", file=sys.stderr)
+    long_data = dataclasses.replace(data, seq_len=options.stage3_seq_len, packing=options.stage3_packing)
+    try:
+        return training_blocks(long_data, tokenizer)
+    except ValueError as error:
+        if "not enough text" not in str(error):
+            raise
+        raise ValueError(f"stage 3: {error}; lower --stage3_seq_len or give --dataset more text") from None
+
+
+def _long_context_stage(options: DistillOptions, data: DataOptions, training: TrainingOptions, teacher, peft_model,
+                        groups: list[dict], blocks, folder: Path, evaluate) -> dict:
+    """Stage 3: KL distillation on `--stage3_seq_len` blocks, the logits made in chunks, the student's layers
+    recomputed in the backward pass (`--stage3_gradient_checkpointing`); returns its entry of results.json."""
+    torch.manual_seed(data.seed + 2)  # LoRA dropout, if any, starts from the same state whether resumed or not
+    long_training = dataclasses.replace(
+        training, batch_size=options.stage3_batch_size,
+        gradient_checkpointing=options.stage3_gradient_checkpointing or training.gradient_checkpointing)
+    objective = ChunkedLogitDistillation(teacher, peft_model, options.temperature, options.ce_weight,
+                                         options.stage3_logit_chunk)
+    started = time.perf_counter()
+    result = run_training(
+        objective, _objective_loss, groups, blocks, long_training, folder, options.stage3_tokens, seed=data.seed + 2,
+        evaluate=(lambda _: evaluate(peft_model)) if evaluate else None,
+        description="stage 3 (long-context distillation)",
+    )
+    return {"tokens": result.tokens, "seconds": time.perf_counter() - started,
+            "tokens_per_s": result.tokens / max(result.seconds, 1e-9), "final_loss": result.final_loss,
+            "lr": options.stage3_lr, "new_params_lr": options.stage3_new_params_lr,
+            "seq_len": options.stage3_seq_len, "batch_size": options.stage3_batch_size,
+            "packing": options.stage3_packing, "gradient_checkpointing": long_training.gradient_checkpointing,
+            "logit_chunk": options.stage3_logit_chunk,
+            "temperature": options.temperature, "ce_weight": options.ce_weight,
+            "heldout_ppl": result.evaluations[-1]["heldout_ppl"] if result.evaluations else None}
 
 
 def _crossdomain_source(options: DistillOptions) -> str:
@@ -306,7 +401,7 @@ def _crossdomain_ppl(model, windows) -> float | None:
 
 
 def _objective_loss(objective, batch):
-    """The training loop's `compute_loss` for either stage: the objective module on the batch's token ids (and
+    """The training loop's `compute_loss` for every stage: the objective module on the batch's token ids (and
     position ids when the blocks are packed with document boundaries)."""
     return objective(**batch_inputs(batch))
 

@@ -153,6 +153,24 @@ def _micro_batches(blocks, batch: int, seed: int, start_block: int) -> Iterator:
             yield stacked if len(stacked) > 1 else stacked["input_ids"]
 
 
+def _enable_activation_checkpointing(model: torch.nn.Module, description: str, say: Callable[[str], None]) -> list:
+    """Turn on activation checkpointing (non-reentrant) in the outermost transformers models inside `model`: the
+    model itself, the one a PEFT model wraps, or the student an objective module holds. Returns them (to turn it
+    off after training); says so when there is none (stage 1 trains single layers, not a model)."""
+    from transformers import PreTrainedModel
+
+    found, inside = [], set()
+    for module in model.modules():  # parents come before their children
+        if isinstance(module, PreTrainedModel) and id(module) not in inside:
+            found.append(module)
+            inside.update(id(child) for child in module.modules())
+    for transformer in found:
+        transformer.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if not found:
+        say(f"{description}: --gradient_checkpointing has nothing to recompute (no transformers model trains here)")
+    return found
+
+
 def _resume_point(checkpoint_dir: Path, resume: bool, description: str, say: Callable[[str], None]) -> Path | None:
     """The checkpoint to resume from, or None to start fresh; refuses to overwrite or guess."""
     if not resume:
@@ -321,8 +339,9 @@ def run_training(
         if not math.isfinite(loss_value) and kept:  # a checkpoint from before "loss" was saved in it
             loss_value = json.loads(kept[-1]).get("loss", loss_value)
         accelerator.print(f"{description} is already complete (step {step} of {total_steps}); nothing left to train")
+    recomputed = []  # the transformers models whose layer activations are recomputed in the backward pass
     if options.gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        recomputed = _enable_activation_checkpointing(model, description, accelerator.print)
 
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
@@ -402,7 +421,8 @@ def run_training(
         if step_callback is not None:
             step_callback(step)
     bar.close()
-    if options.gradient_checkpointing:
-        accelerator.unwrap_model(model).activation_checkpointing_disable()
+    for transformer in recomputed:
+        transformer.activation_checkpointing_disable()
+        transformer.disable_input_require_grads()
     return TrainingResult(step, step * tokens_per_step, earlier_seconds + time.perf_counter() - start, loss_value,
                           metrics_path, evaluations)

@@ -7,6 +7,9 @@
 2. Logit distillation: KL(teacher || student) at a temperature (optionally plus cross-entropy), LoRA (PEFT)
    on the copied projections and the small new parameters (gates, beta, decay, conv, norms) in full at
    their own learning rate.
+3. Long-context distillation: stage 2's loss on long blocks (thousands of tokens), with the logits of both
+   models computed a chunk of positions at a time and recomputed in the backward pass, so no
+   `[batch, seq_len, vocab]` tensor is ever held whole.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from delta_attention.modeling.configuration_delta import delta_layer_indices as _delta_layer_indices
 
@@ -105,12 +109,17 @@ def batch_inputs(batch) -> dict:
     return {"input_ids": batch}
 
 
-def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Mean per-token KL(teacher || student) of the softened distributions, times T^2 (Hinton et al.)."""
+def _summed_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """KL(teacher || student) of the distributions softened at `temperature`, summed over every position."""
     teacher_logp = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
     student_logp = F.log_softmax(student_logits.float() / temperature, dim=-1)
-    kl = F.kl_div(student_logp.flatten(0, -2), teacher_logp.flatten(0, -2), log_target=True, reduction="batchmean")
-    return kl * temperature**2
+    return F.kl_div(student_logp.flatten(0, -2), teacher_logp.flatten(0, -2), log_target=True, reduction="sum")
+
+
+def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Mean per-token KL(teacher || student) of the softened distributions, times T^2 (Hinton et al.)."""
+    positions = student_logits.shape[:-1].numel()
+    return _summed_kl(student_logits, teacher_logits, temperature) / positions * temperature**2
 
 
 class LogitDistillation(nn.Module):
@@ -144,6 +153,88 @@ class LogitDistillation(nn.Module):
             loss = loss + self.ce_weight * ce
             metrics["ce"] = ce.item()
         return loss, metrics
+
+
+def decoder_and_head(model) -> tuple[nn.Module, nn.Module]:
+    """A causal LM's decoder (giving the hidden states after the final norm) and its LM head; a PEFT model is
+    looked into (its LoRA layers sit inside the decoder and stay in use)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder(), base.get_output_embeddings()
+
+
+def chunked_distillation_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, student_head: nn.Module,
+                              teacher_head: nn.Module, temperature: float, chunk_tokens: int,
+                              next_tokens: torch.Tensor | None = None,
+                              counted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`distillation_kl` of `head(hidden)` over the positions `counted` marks (every position when None) and, given
+    `next_tokens`, the student's mean cross-entropy against them, computed `chunk_tokens` positions at a time.
+
+    `student_hidden`, `teacher_hidden`: `[batch, seq_len, hidden]`; `next_tokens`: `[batch, seq_len]`, the token
+    each position predicts (`IGNORE_INDEX` where none is scored); `counted`: `[batch, seq_len]` booleans. Each
+    chunk's logits (`[batch, chunk, vocab]`) are made inside `torch.utils.checkpoint` and made again in the backward
+    pass, so at most one chunk of logits is alive; the teacher's head runs without gradients. Returns `(kl, ce)`,
+    `ce` None without `next_tokens`. The plain reference is `distillation_kl` of the whole logits."""
+    batch, seq_len = student_hidden.shape[:2]
+
+    def chunk_sums(student_chunk, teacher_chunk, target_chunk, counted_chunk):
+        with torch.no_grad():
+            teacher_logits = teacher_head(teacher_chunk)  # [batch, chunk, vocab]
+        student_logits = student_head(student_chunk)  # [batch, chunk, vocab]
+        kl_student, kl_teacher = student_logits, teacher_logits
+        if counted_chunk is not None:
+            kl_student, kl_teacher = student_logits[counted_chunk], teacher_logits[counted_chunk]  # [n, vocab]
+        kl = _summed_kl(kl_student, kl_teacher, temperature)
+        if target_chunk is None:
+            return kl, kl.new_zeros(())
+        ce = F.cross_entropy(student_logits.float().flatten(0, 1), target_chunk.flatten(), ignore_index=IGNORE_INDEX,
+                             reduction="sum")
+        return kl, ce
+
+    kl_sum = ce_sum = student_hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, seq_len, chunk_tokens):
+        part = slice(start, min(start + chunk_tokens, seq_len))
+        kl, ce = checkpoint(chunk_sums, student_hidden[:, part], teacher_hidden[:, part],
+                            None if next_tokens is None else next_tokens[:, part],
+                            None if counted is None else counted[:, part], use_reentrant=False)
+        kl_sum, ce_sum = kl_sum + kl, ce_sum + ce
+    positions = batch * seq_len if counted is None else int(counted.sum())
+    kl = kl_sum / max(positions, 1) * temperature**2
+    if next_tokens is None:
+        return kl, None
+    return kl, ce_sum / max(int((next_tokens != IGNORE_INDEX).sum()), 1)
+
+
+class ChunkedLogitDistillation(LogitDistillation):
+    """Stage-3 objective (long blocks): `LogitDistillation`'s loss with both models' logits made `chunk_tokens`
+    positions at a time (`chunked_distillation_loss`). Teacher and student run their decoders once over the
+    whole block; only `[batch, seq_len, hidden]` hidden states are kept, never `[batch, seq_len, vocab]` logits."""
+
+    def __init__(self, teacher: nn.Module, student: nn.Module, temperature: float = 1.0, ce_weight: float = 0.0,
+                 chunk_tokens: int = 512):
+        super().__init__(teacher, student, temperature, ce_weight)
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """As `LogitDistillation.forward` (the same positions count, with or without `labels`)."""
+        teacher_decoder, teacher_head = decoder_and_head(self.teacher)
+        student_decoder, student_head = decoder_and_head(self.student)
+        with torch.no_grad():
+            teacher_hidden = teacher_decoder(input_ids=input_ids, position_ids=position_ids,
+                                             use_cache=False).last_hidden_state  # [batch, seq_len, hidden]
+        student_hidden = student_decoder(input_ids=input_ids, position_ids=position_ids,
+                                         use_cache=False).last_hidden_state  # [batch, seq_len, hidden]
+        last = input_ids.new_full((len(input_ids), 1), IGNORE_INDEX)  # the last position predicts nothing
+        next_tokens = torch.cat([(input_ids if labels is None else labels)[:, 1:], last], dim=1)  # [batch, seq_len]
+        counted = None if labels is None else next_tokens != IGNORE_INDEX
+        kl, ce = chunked_distillation_loss(student_hidden, teacher_hidden, student_head, teacher_head,
+                                           self.temperature, self.chunk_tokens,
+                                           next_tokens if self.ce_weight else None, counted)
+        if ce is None:
+            return kl, {"kl": kl.item()}
+        return kl + self.ce_weight * ce, {"kl": kl.item(), "ce": ce.item()}
 
 
 def add_lora(student, config):
