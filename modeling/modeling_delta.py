@@ -41,7 +41,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .cache_io import load_cache, save_cache  # noqa: F401  (saved states ship with every checkpoint's code)
 from .configuration_delta import DeltaConfig
-from .delta_cache import DeltaCache, cached_length, use_delta_layers
+from .delta_cache import DEFAULT_MAX_ROLLBACK, DeltaCache, cached_length, stop_recording, use_delta_layers
 from .delta_prefill import KeptHidden, release_freed_memory
 from .delta_rule import chunk_delta_rule, recurrent_delta_rule
 
@@ -305,6 +305,29 @@ class DeltaAttention(nn.Module):
         if self.conv_kernel_size > 0:
             self.conv1d.weight.copy_(self._identity_conv_weight())
 
+    def _delta_rule(self, query, key, value, beta, log_decay, state) -> tuple[torch.Tensor, torch.Tensor]:
+        """The delta rule over a block (shapes as `recurrent_delta_rule`) -> (output, final state). One token
+        (decode) takes the recurrent step, updating `state` in place (the cache's own buffer); more take the
+        chunked kernel."""
+        if query.shape[1] == 1:
+            return recurrent_delta_rule(query, key, value, beta, log_decay, initial_state=state, inplace=True)
+        return chunk_delta_rule(query, key, value, beta, log_decay, initial_state=state, chunk_size=self.chunk_size)
+
+    def _recorded_delta_rule(self, query, key, value, beta, log_decay, state, layer
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_delta_rule` while the cache records for a rollback (docs/design.md, "Rollback"): the cache `layer`
+        records the block's last `layer.max_rollback` tokens with the state before them; the tokens before those
+        (a long first block, such as the prompt) run first and are not recorded."""
+        head = max(query.shape[1] - layer.max_rollback, 0)
+        inputs, outputs = (query, key, value, beta, log_decay), []
+        if head:
+            output, state = self._delta_rule(*[None if t is None else t[:, :head] for t in inputs], state)
+            outputs.append(output)
+        query, key, value, beta, log_decay = [None if t is None else t[:, head:] for t in inputs]
+        layer.record_tokens(state, key, value, beta, log_decay, restart=head > 0)
+        output, final_state = self._delta_rule(query, key, value, beta, log_decay, state)
+        return (torch.cat([*outputs, output], dim=1) if outputs else output), final_state
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -340,14 +363,12 @@ class DeltaAttention(nn.Module):
             if log_decay is not None:
                 log_decay = log_decay * (keep[..., None] if self.gate == "channel" else keep)
 
-        if seq_len == 1:  # decode: the state is updated in place, in the cache's own buffer
-            output, final_state = recurrent_delta_rule(
-                query, key, value, beta, log_decay, initial_state=recurrent_state, inplace=True
+        if cache is not None and cache.is_recording_past(self.layer_idx):  # a block that may be rolled back
+            output, final_state = self._recorded_delta_rule(
+                query, key, value, beta, log_decay, recurrent_state, cache.layers[self.layer_idx]
             )
         else:
-            output, final_state = chunk_delta_rule(
-                query, key, value, beta, log_decay, initial_state=recurrent_state, chunk_size=self.chunk_size
-            )
+            output, final_state = self._delta_rule(query, key, value, beta, log_decay, recurrent_state)
         if cache is not None:
             cache.update_recurrent_state(final_state, self.layer_idx, new_tokens=seq_len)
 
@@ -468,7 +489,9 @@ class DeltaPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = True
     _supports_flex_attn = True
     _supports_attention_backend = True
-    _is_stateful = True
+    # False although the delta layers carry a state: their cache layers roll back exactly (`crop` while recording,
+    # `delta_cache.py`), which is what transformers' flag guards (it refuses assisted decoding for stateful models)
+    _is_stateful = False
     _can_record_outputs = {"hidden_states": DeltaDecoderLayer, "attentions": DeltaSoftmaxAttention}
 
     def _init_weights(self, module):
@@ -701,7 +724,25 @@ class DeltaForCausalLM(DeltaPreTrainedModel, GenerationMixin):
         built = model_kwargs.get("cache")
         if given is None and type(built) is DynamicCache:
             config = self.config.get_text_config(decoder=True)
-            model_kwargs["cache"] = DeltaCache(config=config, offloading=built.offloading)
+            # room to roll back the longest draft this call may verify (assisted and prompt-lookup decoding)
+            drafts = (generation_config.prompt_lookup_num_tokens, generation_config.num_assistant_tokens,
+                      generation_config.max_new_tokens if generation_config.is_assistant else None)
+            max_rollback = max([DEFAULT_MAX_ROLLBACK] + [int(n) for n in drafts if n])
+            cache = DeltaCache(config=config, offloading=built.offloading, max_rollback=max_rollback)
+            if any(getattr(layer, "record_past", False) for layer in built.layers):  # an assistant's cache
+                cache.activate_past_recording()
+            model_kwargs["cache"] = cache
+
+    def _assisted_decoding(self, input_ids, *args, inputs_tensor=None, **model_kwargs):
+        """transformers' assisted and prompt-lookup decoding, unchanged: verifying a draft runs it through the
+        model while the cache records, and `cache.crop` rolls the delta states back past the rejected tokens
+        (`delta_cache.py`). The cache handed back afterwards no longer records (plain decoding then costs nothing
+        more)."""
+        try:
+            return super()._assisted_decoding(input_ids, *args, inputs_tensor=inputs_tensor, **model_kwargs)
+        finally:
+            if model_kwargs.get("cache") is not None:
+                stop_recording(model_kwargs["cache"])
 
     def _prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration=True):
         """`generate`'s prefill step. Of more than `prefill_piece_size` new prompt tokens, all but the last piece go
