@@ -83,12 +83,12 @@ def teacher_finetune_speed(teacher, blocks: torch.Tensor, steps: int, bf16: bool
 def run(options: BenchDistillOptions) -> int:
     from delta_attention.conversion.data.assets import smollm2_gguf_path
     from delta_attention.conversion.converter.pipeline import ConversionSettings, convert
-    from delta_attention.conversion.training.distill import DistillOptions, run_distill
-    from delta_attention.conversion.training.metrics import read_metrics
     from delta_attention.conversion.converter.sources import load_source
     from delta_attention.conversion.data.text import DataOptions, training_blocks
     from delta_attention.conversion.training.loop import TrainingOptions
 
+    if options.mixed_precision not in ("bf16", "no"):
+        raise ValueError(f"--mixed_precision must be bf16 or no, got {options.mixed_precision!r}")
     out = Path(options.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     gguf = str(smollm2_gguf_path())
@@ -98,8 +98,6 @@ def run(options: BenchDistillOptions) -> int:
     blocks = blocks["input_ids"] if isinstance(blocks, dict) else blocks  # the teacher's speed probe needs ids only
     for p in source.model.parameters():
         p.requires_grad_(True)
-    if options.mixed_precision not in ("bf16", "no"):
-        raise ValueError(f"--mixed_precision must be bf16 or no, got {options.mixed_precision!r}")
     bf16 = options.mixed_precision == "bf16"
     report = {"threads": torch.get_num_threads(), "minutes_per_model": options.minutes_per_model,
               "packing": options.packing, "mixed_precision": options.mixed_precision,
@@ -109,7 +107,6 @@ def run(options: BenchDistillOptions) -> int:
     print(f"teacher full fine-tuning ({options.mixed_precision}): "
           f"{report['teacher_finetune_tokens_per_s']:.0f} tokens/s")
     training = TrainingOptions(batch_size=options.batch_size, mixed_precision=options.mixed_precision)
-    step_tokens = options.batch_size * options.seq_len
 
     for layout in [name.strip() for name in options.layouts.split(",")]:
         if layout not in LAYOUTS:
@@ -118,41 +115,7 @@ def run(options: BenchDistillOptions) -> int:
         if not converted.is_dir():
             convert(source, out=converted, settings=ConversionSettings(keep_attention=LAYOUTS[layout],
                                                                        dtype="float32"))
-        # speed probes: a few steps of each stage
-        speeds = {}
-        for stage in (1, 2):
-            probe = out / layout / f"probe{stage}"
-            tokens = (options.probe_steps + 1) * step_tokens
-            started = time.perf_counter()
-            run_distill(DistillOptions(student=str(converted), teacher=gguf, output_dir=str(probe), overwrite=True,
-                                       stages=str(stage), stage1_tokens=tokens, stage2_tokens=tokens, eval_tokens=0),
-                        data, training)
-            records = read_metrics(probe / f"stage{stage}" / "metrics.jsonl")
-            speeds[stage] = records[-1]["tokens_per_s"]
-            print(f"{layout} stage {stage}: {speeds[stage]:.0f} tokens/s (probe {time.perf_counter() - started:.0f} s)")
-        budget = options.minutes_per_model * 60
-        stage1_tokens = options.stage1_tokens or int(speeds[1] * budget * options.stage1_share)
-        stage2_tokens = options.stage2_tokens or int(speeds[2] * budget * (1 - options.stage1_share))
-        stage1_tokens = max(step_tokens, stage1_tokens // step_tokens * step_tokens)
-        stage2_tokens = max(step_tokens, stage2_tokens // step_tokens * step_tokens)
-        started = time.perf_counter()
-        distill = DistillOptions(student=str(converted), teacher=gguf, output_dir=str(out / layout / "run"),
-                                 overwrite=True, stage1_tokens=stage1_tokens, stage2_tokens=stage2_tokens,
-                                 eval_tokens=options.eval_tokens)
-        run_training_options = dataclasses.replace(training)
-        run_training_options.eval_every_tokens = max(step_tokens, min(stage1_tokens, stage2_tokens) // options.evaluations)
-        results = run_distill(distill, data, run_training_options)
-        results["wall_seconds"] = time.perf_counter() - started
-        results["probe_tokens_per_s"] = speeds
-        curve = [{"stage": 0, "tokens": 0, "heldout_ppl": results["converted_ppl"]}]
-        offset = 0
-        for stage in (1, 2):
-            for record in read_metrics(out / layout / "run" / f"stage{stage}" / "metrics.jsonl"):
-                if "heldout_ppl" in record:
-                    curve.append({"stage": stage, "tokens": offset + record["tokens"],
-                                  "heldout_ppl": record["heldout_ppl"]})
-            offset += results[f"stage{stage}"]["tokens"]
-        results["curve"] = curve
+        results = distill_in_budget(out / layout, converted, gguf, data, training, options)
         report["models"][layout] = results
         (out / "results.json").write_text(json.dumps(report, indent=1))
 
@@ -160,6 +123,53 @@ def run(options: BenchDistillOptions) -> int:
     plot(report, out / "distill.png")
     print(markdown(report))
     return 0
+
+
+def distill_in_budget(folder: Path, converted: Path, teacher: str, data, training, options: BenchDistillOptions,
+                      **distill_options) -> dict:
+    """Distill `converted` from `teacher` within `options.minutes_per_model` (or the given token budgets).
+
+    A few probe steps of each stage give its tokens/s, which turn the time budget into token budgets; the run
+    writes under `folder/run` and evaluates on the held-out text along the way (`distill_options` are further
+    `DistillOptions` fields of that run). Returns `run_distill`'s results with the wall time, the probed speeds
+    and the held-out perplexity curve against tokens seen."""
+    from delta_attention.conversion.training.distill import DistillOptions, run_distill
+    from delta_attention.conversion.training.metrics import read_metrics
+
+    step_tokens = options.batch_size * options.seq_len
+    speeds = {}
+    for stage in (1, 2):
+        probe = folder / f"probe{stage}"
+        tokens = (options.probe_steps + 1) * step_tokens
+        started = time.perf_counter()
+        run_distill(DistillOptions(student=str(converted), teacher=teacher, output_dir=str(probe), overwrite=True,
+                                   stages=str(stage), stage1_tokens=tokens, stage2_tokens=tokens, eval_tokens=0),
+                    data, training)
+        speeds[stage] = read_metrics(probe / f"stage{stage}" / "metrics.jsonl")[-1]["tokens_per_s"]
+        print(f"{folder.name} stage {stage}: {speeds[stage]:.0f} tokens/s (probe {time.perf_counter() - started:.0f} s)")
+    budget = options.minutes_per_model * 60
+    stage1_tokens = options.stage1_tokens or int(speeds[1] * budget * options.stage1_share)
+    stage2_tokens = options.stage2_tokens or int(speeds[2] * budget * (1 - options.stage1_share))
+    stage1_tokens = max(step_tokens, stage1_tokens // step_tokens * step_tokens)
+    stage2_tokens = max(step_tokens, stage2_tokens // step_tokens * step_tokens)
+    started = time.perf_counter()
+    distill = DistillOptions(student=str(converted), teacher=teacher, output_dir=str(folder / "run"),
+                             overwrite=True, stage1_tokens=stage1_tokens, stage2_tokens=stage2_tokens,
+                             eval_tokens=options.eval_tokens, **distill_options)
+    run_training_options = dataclasses.replace(training)
+    run_training_options.eval_every_tokens = max(step_tokens, min(stage1_tokens, stage2_tokens) // options.evaluations)
+    results = run_distill(distill, data, run_training_options)
+    results["wall_seconds"] = time.perf_counter() - started
+    results["probe_tokens_per_s"] = speeds
+    curve = [{"stage": 0, "tokens": 0, "heldout_ppl": results["converted_ppl"]}]
+    offset = 0
+    for stage in (1, 2):
+        for record in read_metrics(folder / "run" / f"stage{stage}" / "metrics.jsonl"):
+            if "heldout_ppl" in record:
+                curve.append({"stage": stage, "tokens": offset + record["tokens"], "heldout_ppl": record["heldout_ppl"]})
+        offset += results[f"stage{stage}"]["tokens"]
+    results["curve"] = curve
+    return results
 
 
 def markdown(report: dict) -> str:

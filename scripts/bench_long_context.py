@@ -1,0 +1,212 @@
+"""Constant-memory benchmark: SmolLM2-135M converted four ways, distilled in the same budget, measured at long context.
+
+Variants (`--variants`): `hybrid` (a quarter of the layers keep full softmax attention), `hybrid-sliding` (the same
+layers as sliding-window layers of `--attention_window` tokens), `all-delta`, and `all-delta-gqa` (one delta state
+per KV head). Each is converted from the offline GGUF (calibrated init), distilled with `bench-distill`'s
+time-budget logic (optionally with the long-context stage 3), then measured beside the teacher:
+
+- held-out perplexity at `--seq_len` context, in-domain and cross-domain, from the distillation report;
+- perplexity per position bucket over one long held-out document (`evaluate`'s `long_ppl`);
+- passkey accuracy per prompt length (over `--passkey_depths`);
+- cache bytes and decode ms/token after `--decode_contexts` tokens of context (prefilled in pieces).
+
+Writes `results.json`, `results.md` and `long_context.png` under `--output_dir`. The full settings take hours on 2
+CPU cores (four 1-hour distillations; the teacher's 64k-token passes grow quadratically); `--minutes_per_model`,
+`--long_max_tokens`, `--passkey_lengths` and `--decode_contexts` scale it down.
+
+    python -m delta_attention.scripts.bench_long_context --minutes_per_model 60
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from .bench_distill import BenchDistillOptions, distill_in_budget, teacher_finetune_speed
+
+VARIANTS = {  # name -> ConversionSettings fields (the attention window is filled in from the options)
+    "hybrid": {"keep_attention": "0.25"},
+    "hybrid-sliding": {"keep_attention": "0.25", "attention_window": None},
+    "all-delta": {"keep_attention": "0"},
+    "all-delta-gqa": {"keep_attention": "0", "gqa_state": True},
+}
+
+
+@dataclasses.dataclass
+class BenchLongContextOptions(BenchDistillOptions):
+    output_dir: str = dataclasses.field(default="results/long-context", metadata={"help": "results folder"})
+    variants: str = dataclasses.field(default=",".join(VARIANTS), metadata={"help": f"subset of {list(VARIANTS)}"})
+    attention_window: int = dataclasses.field(default=1024, metadata={"help": "window of hybrid-sliding's layers"})
+    stage3_tokens: int = dataclasses.field(default=0, metadata={"help": "long-context stage 3 tokens (0 = no stage 3)"})
+    long_max_tokens: int = dataclasses.field(default=65_536, metadata={"help": "length of the long document"})
+    long_buckets: str = dataclasses.field(default="0,2048,8192,32768,65536", metadata={"help": "position buckets"})
+    passkey_lengths: str = dataclasses.field(default="1024,4096,16384,65536", metadata={"help": "passkey lengths"})
+    passkey_depths: str = dataclasses.field(default="0.1,0.5,0.9", metadata={"help": "relative needle depths"})
+    decode_contexts: str = dataclasses.field(default="1024,65536,1048576", metadata={"help": "decode contexts"})
+    decode_new_tokens: int = dataclasses.field(default=8, metadata={"help": "decode steps timed per context"})
+    teacher_max_context: int = dataclasses.field(
+        default=65_536, metadata={"help": "skip the teacher's passkey/decode points beyond this many tokens"})
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def check_options(options: BenchLongContextOptions) -> list[str]:
+    """The variants to run; one `ValueError` naming the flag for anything that cannot work (before any loading)."""
+    from delta_attention.conversion.evaluation.long_context import parse_buckets, parse_depths
+
+    variants = [name.strip() for name in options.variants.split(",") if name.strip()]
+    unknown = [name for name in variants if name not in VARIANTS]
+    if unknown or not variants:
+        raise ValueError(f"--variants {options.variants!r}: unknown {unknown}; choose from {list(VARIANTS)}")
+    if options.attention_window < 1:
+        raise ValueError(f"--attention_window must be a positive number of tokens, got {options.attention_window}")
+    parse_buckets(options.long_buckets)
+    parse_depths(options.passkey_depths)
+    for name in ("passkey_lengths", "decode_contexts"):
+        try:
+            values = _ints(getattr(options, name))
+        except ValueError:
+            values = []
+        if not values or min(values) < 1:
+            raise ValueError(f"--{name} {getattr(options, name)!r} must be positive token counts, such as 1024,4096")
+    return variants
+
+
+def measure(model, tokenizer, texts: list[str], options: BenchLongContextOptions, max_context: int | None = None) -> dict:
+    """Long-document perplexity by bucket, passkey accuracy per length, cache bytes and decode ms/token."""
+    from delta_attention.conversion.evaluation.long_context import long_perplexity, parse_buckets, parse_depths
+    from delta_attention.conversion.evaluation.tasks import decode_speed, passkey_accuracy
+
+    limit = max_context or max(_ints(options.decode_contexts) + _ints(options.passkey_lengths))
+    return {
+        "long_ppl": long_perplexity(model, tokenizer, texts, options.long_max_tokens, parse_buckets(options.long_buckets)),
+        "passkey": passkey_accuracy(model, tokenizer, [n for n in _ints(options.passkey_lengths) if n <= limit],
+                                    parse_depths(options.passkey_depths)),
+        "decode": [decode_speed(model, context, options.decode_new_tokens)
+                   for context in _ints(options.decode_contexts) if context <= limit],
+    }
+
+
+def run(options: BenchLongContextOptions) -> int:
+    from delta_attention.conversion.converter.pipeline import ConversionSettings, convert
+    from delta_attention.conversion.converter.sources import load_source
+    from delta_attention.conversion.data.assets import smollm2_gguf_path
+    from delta_attention.conversion.data.text import DataOptions, evaluation_texts, training_blocks
+    from delta_attention.conversion.training.loop import TrainingOptions
+    from delta_attention.conversion.loading import load_model
+
+    variants = check_options(options)
+    out = Path(options.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    gguf = str(smollm2_gguf_path())
+    source = load_source(gguf, dtype=torch.float32)
+    data = DataOptions(dataset="builtin:train", seq_len=options.seq_len, packing=options.packing)
+    texts = [text for group in evaluation_texts("builtin:heldout") for text in group]
+    blocks = training_blocks(data, source.tokenizer)
+    blocks = blocks["input_ids"] if isinstance(blocks, dict) else blocks
+    for p in source.model.parameters():
+        p.requires_grad_(True)
+    bf16 = options.mixed_precision == "bf16"
+    report = {"threads": torch.get_num_threads(), "minutes_per_model": options.minutes_per_model,
+              "attention_window": options.attention_window, "stage3_tokens": options.stage3_tokens,
+              "teacher_finetune_tokens_per_s": teacher_finetune_speed(source.model, blocks, options.probe_steps, bf16),
+              "models": {}}
+    with torch.no_grad():
+        report["teacher"] = measure(source.model.eval(), source.tokenizer, texts, options, options.teacher_max_context)
+    training = TrainingOptions(batch_size=options.batch_size, mixed_precision=options.mixed_precision)
+    extra = {"stages": "1,2,3", "stage3_tokens": options.stage3_tokens} if options.stage3_tokens else {}
+
+    for name in variants:
+        settings = dict(VARIANTS[name])
+        if "attention_window" in settings:
+            settings["attention_window"] = options.attention_window
+        converted = out / name / "converted"
+        if not converted.is_dir():
+            convert(source, out=converted, settings=ConversionSettings(dtype="float32", **settings))
+        results = distill_in_budget(out / name, converted, gguf, data, training, options, **extra)
+        model, tokenizer = load_model(str(out / name / "run" / "model"))
+        with torch.no_grad():
+            results["long_context"] = measure(model.float().eval(), tokenizer, texts, options)
+        report["models"][name] = results
+        (out / "results.json").write_text(json.dumps(report, indent=1, default=str))
+
+    (out / "results.md").write_text(markdown(report))
+    plot(report, out / "long_context.png")
+    print(markdown(report))
+    return 0
+
+
+def _ppl(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _size(n: int) -> str:
+    from delta_attention.conversion.memory import human_bytes
+
+    return human_bytes(n)
+
+
+def markdown(report: dict) -> str:
+    """The benchmark's tables: quality at short context, perplexity by position, passkey, cache and decode."""
+    teacher = report["teacher"]
+    rows = [("teacher", None, teacher)] + [(name, r, r["long_context"]) for name, r in report["models"].items()]
+    buckets = [f"{b['start']}-{b['end']}" for b in teacher["long_ppl"]["buckets"]]
+    lengths = sorted({int(n) for _, _, m in rows for n in m["passkey"]})
+    contexts = sorted({d["context"] for _, _, m in rows for d in m["decode"]})
+    lines = [f"Threads: {report['threads']}; {report['minutes_per_model']:g} min of distillation per model; "
+             f"sliding window {report['attention_window']}; stage 3: {report['stage3_tokens']:,} tokens. Teacher full "
+             f"fine-tuning: {report['teacher_finetune_tokens_per_s']:.0f} tokens/s.", "",
+             "| model | held-out ppl | vs teacher | cross-domain ppl | " + " | ".join(f"ppl {b}" for b in buckets) + " |",
+             "|---" * (4 + len(buckets)) + "|"]
+    for name, r, m in rows:
+        short = r["stage2"]["heldout_ppl"] if r else next(iter(report["models"].values()), {}).get("teacher_ppl")
+        cross = r["stage2"].get("crossdomain_ppl") if r else next(
+            iter(report["models"].values()), {}).get("teacher_crossdomain_ppl")
+        ratio = f"{short / r['teacher_ppl']:.2f}x" if r else "1.00x"
+        cells = [_ppl(b["perplexity"]) for b in m["long_ppl"]["buckets"]]
+        lines.append(f"| {name} | {_ppl(short)} | {ratio} | {_ppl(cross)} | " + " | ".join(cells) + " |")
+    lines += ["", "| model | " + " | ".join(f"passkey {n:,}" for n in lengths) + " | "
+              + " | ".join(f"cache / ms per token at {c:,}" for c in contexts) + " |",
+              "|---" * (1 + len(lengths) + len(contexts)) + "|"]
+    for name, _, m in rows:
+        passkey = {int(k): v for k, v in m["passkey"].items()}
+        decode = {d["context"]: d for d in m["decode"]}
+        cells = [f"{passkey[n]:.0%}" if n in passkey else "-" for n in lengths]
+        cells += [f"{_size(decode[c]['cache_bytes'])} / {decode[c]['ms_per_token']:.1f}" if c in decode else "-"
+                  for c in contexts]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    """Perplexity per position bucket, one line per model and the teacher."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    series = {"teacher": report["teacher"]} | {name: r["long_context"] for name, r in report["models"].items()}
+    for name, measured in series.items():
+        points = [(b["end"], b["perplexity"]) for b in measured["long_ppl"]["buckets"] if b["perplexity"] is not None]
+        axis.plot(*zip(*points), "o-", label=name, color="black" if name == "teacher" else None)
+    axis.set(xscale="log", yscale="log", xlabel="position in the document (bucket end, tokens)",
+             ylabel="perplexity in the bucket", title="SmolLM2-135M conversions at long context")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+Options = BenchLongContextOptions
+
+if __name__ == "__main__":
+    from delta_attention.scripts.cli import main
+
+    sys.exit(main(["bench-long-context", *sys.argv[1:]]))

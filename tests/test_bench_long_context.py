@@ -1,0 +1,52 @@
+"""The constant-memory benchmark's option checks and tables (the benchmark itself runs for hours)."""
+
+import pytest
+
+from delta_attention.scripts.bench_long_context import BenchLongContextOptions, check_options, markdown
+
+
+def _measured(perplexities, passkey, decode):
+    buckets = [{"start": a, "end": b, "tokens": 1 if p else 0, "nll": None, "perplexity": p}
+               for (a, b), p in zip([(0, 2048), (2048, 8192)], perplexities)]
+    return {"long_ppl": {"buckets": buckets}, "passkey": passkey,
+            "decode": [{"context": c, "cache_bytes": n, "ms_per_token": ms} for c, n, ms in decode]}
+
+
+def test_tables_put_each_figure_in_its_column():
+    report = {
+        "threads": 2, "minutes_per_model": 60, "attention_window": 1024, "stage3_tokens": 0,
+        "teacher_finetune_tokens_per_s": 300.0,
+        "teacher": _measured([20.0, 18.0], {1024: 1.0}, [(1024, 2 ** 20, 40.0)]),
+        "models": {"hybrid-sliding": {
+            "teacher_ppl": 20.0, "teacher_crossdomain_ppl": 30.0,
+            "stage2": {"heldout_ppl": 23.0, "crossdomain_ppl": 36.0},
+            "long_context": _measured([24.0, None], {1024: 0.5, 4096: 0.0}, [(1024, 3 * 2 ** 20, 30.0),
+                                                                            (65536, 3 * 2 ** 20, 31.0)]),
+        }},
+    }
+    lines = markdown(report).splitlines()
+    assert sum(line.startswith("| model |") for line in lines) == 2
+    # first table: held-out, ratio, cross-domain, then the buckets (the student never reached the second one)
+    assert "| teacher | 20.00 | 1.00x | 30.00 | 20.00 | 18.00 |" in lines
+    assert "| hybrid-sliding | 23.00 | 1.15x | 36.00 | 24.00 | - |" in lines
+    # second table: passkey per length (a length not measured is "-"), then cache / ms per token per context
+    assert "| teacher | 100% | - | 1.0 MiB / 40.0 | - |" in lines
+    assert "| hybrid-sliding | 50% | 0% | 3.0 MiB / 30.0 | 3.0 MiB / 31.0 |" in lines
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("variants", "hybrid,quadratic", "unknown ['quadratic']"),
+    ("attention_window", 0, "--attention_window must be a positive"),
+    ("long_buckets", "0,8192,2048", "--long_buckets"),
+    ("passkey_depths", "0.5,2", "--passkey_depths"),
+    ("decode_contexts", "1024,-1", "--decode_contexts"),
+    ("passkey_lengths", "many", "--passkey_lengths"),
+])
+def test_bad_options_fail_before_any_work(field, value, message):
+    options = BenchLongContextOptions(**{field: value})
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        check_options(options)
+
+
+def test_default_options_run_all_four_variants():
+    assert check_options(BenchLongContextOptions()) == ["hybrid", "hybrid-sliding", "all-delta", "all-delta-gqa"]
