@@ -1,7 +1,7 @@
 """Rolling delta states back: `cache.crop(-n)` after a recorded block equals a run that only saw the tokens kept
-(every gate, conv on/off, hybrids with full and sliding layers), the `max_rollback` bound, no recording costs when
-not recording; assisted and prompt-lookup `generate` equal greedy decoding; a deep-copied prefix cache equals
-running the whole prompt."""
+(every gate, conv on/off, hybrids with full and sliding layers, a GQA-shared state), the `max_rollback` bound, no
+recording costs when not recording; assisted and prompt-lookup `generate` equal greedy decoding; a deep-copied
+prefix cache equals running the whole prompt."""
 
 import copy
 
@@ -19,8 +19,9 @@ STATE_TOLERANCE = 1e-5
 LOGIT_TOLERANCE = 1e-4
 
 LAYOUTS = {"all_delta": ["linear_attention"] * 3, "hybrid": HYBRID_LAYERS}
-ROLLBACK_CASES = [("all_delta", gate, conv) for gate in ("none", "scalar", "channel") for conv in (4, 0)] + [
-    ("hybrid", "scalar", 4), ("hybrid", "channel", 0)]
+# (layout, gate, conv kernel, state sharing): every gate with the conv on and off, hybrids, a GQA-shared state
+ROLLBACK_CASES = [("all_delta", gate, conv, "head") for gate in ("none", "scalar", "channel") for conv in (4, 0)] + [
+    ("hybrid", "scalar", 4, "head"), ("hybrid", "channel", 0, "head"), ("hybrid", "channel", 4, "kv_head")]
 
 
 def build(layout, seed=7, **overrides):
@@ -56,10 +57,10 @@ def assert_continues_alike(model, cache, reference, after):
     assert (got - expected).abs().max() <= LOGIT_TOLERANCE
 
 
-@pytest.mark.parametrize(("layout", "gate", "conv"), ROLLBACK_CASES)
+@pytest.mark.parametrize(("layout", "gate", "conv", "sharing"), ROLLBACK_CASES)
 @torch.no_grad()
-def test_crop_after_k_of_a_verified_block_equals_a_run_that_saw_only_those(layout, gate, conv):
-    model = build(layout, linear_gate=gate, linear_conv_kernel_size=conv)
+def test_crop_after_k_of_a_verified_block_equals_a_run_that_saw_only_those(layout, gate, conv, sharing):
+    model = build(layout, linear_gate=gate, linear_conv_kernel_size=conv, linear_state_sharing=sharing)
     ids = tokens(10 + 6 + 3, batch=2, seed=1)
     prompt, block, after = ids[:, :10], ids[:, 10:16], ids[:, 16:]  # 10 > sliding window 6: the window is full
     base = model(prompt, use_cache=True).cache
