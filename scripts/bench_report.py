@@ -137,6 +137,10 @@ def markdown(results: dict) -> str:
                         ("long", long_table)):
         if part in results:
             lines += table(results[part]) + [""]
+    if "speculative" in results:
+        from .bench_speculative import markdown_tables
+
+        lines += markdown_tables(results["speculative"]) + [""]
     checks = target_checks(results)
     if checks:
         lines += ["Targets:", ""] + checks + [""]
@@ -161,6 +165,8 @@ def plot(results: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     panels = [part for part in ("kernel", "decode", "prefill", "long") if part in results]
+    if not panels:  # the speculative part alone: its own plot is speculative/speculative.png
+        return
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
     for ax, part in zip(axes[0], panels):
         data = results[part]

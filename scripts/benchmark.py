@@ -23,7 +23,7 @@ from .bench_kernels import run_kernel_benchmark
 from .bench_models import build_models, run_decode_benchmark, run_long_prompt_benchmark, run_prefill_benchmark
 from .bench_report import markdown, plot
 
-PARTS = ("kernel", "decode", "prefill", "long")
+PARTS = ("kernel", "decode", "prefill", "long", "speculative")  # speculative: bench_speculative.py, not by default
 SMOKE_SHAPE = dict(
     vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
@@ -130,6 +130,13 @@ def _run(options: Options, parts: list[str]) -> int:
     if "long" in parts:
         results["long"] = run_long_prompt_benchmark(long_tokens, long_reference, dtype, log=log, shape=long_shape,
                                                     piece_size=128 if options.smoke else None)
+    if "speculative" in parts:  # converted SmolLM2 models; --quick/--smoke: a few short prompts, a 1k document
+        from .bench_speculative import SpeculativeOptions, run_speculative
+
+        small = dict(passages=1, passage_tokens=64, new_tokens=16, document_tokens=1024, answer_tokens=4)
+        results["speculative"] = run_speculative(SpeculativeOptions(
+            output_dir=str(output / "speculative"), dtype=options.dtype, **(small if options.quick or options.smoke
+                                                                            else {})), log=log)
     results["seconds"] = time.perf_counter() - start
     results["environment"]["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(
         os, "getloadavg") else "n/a"

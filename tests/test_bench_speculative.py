@@ -1,0 +1,86 @@
+"""`delta-attention bench-speculative` on tiny models: every task and method, the report, the plot; the early-exit
+draft shares the target's weights; prompt lookup and the assistant give the greedy tokens."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_tokenizer
+from delta_attention.scripts import bench_speculative as bench
+from test_generation import build, prompt
+
+
+def tiny_models(draft_layers=2):
+    models = {}
+    for layout in ("hybrid", "all_delta"):
+        model = build(layout)
+        models[layout] = (model, bench.early_exit_draft(model, draft_layers), f"tiny {layout}")
+    return models
+
+
+def test_early_exit_draft_is_the_targets_first_layers():
+    model = build("hybrid")  # delta, full, sliding, delta
+    draft = bench.early_exit_draft(model, 3)
+    assert draft.config.layer_types == model.config.layer_types[:3]
+    ours = {id(p) for p in model.parameters()}
+    assert all(id(p) in ours for p in draft.parameters())  # shared, nothing copied
+    assert not any(t.is_meta for t in [*draft.parameters(), *draft.buffers()])
+    ids = prompt(length=5)  # within the sliding window (6): every softmax layer is plainly causal
+    with torch.no_grad():
+        hidden = model.model.embed_tokens(ids)
+        positions = model.model.rotary_emb(hidden, torch.arange(5)[None])
+        for layer in model.model.layers[:3]:  # the target's first three layers by hand (no mask: causal)
+            hidden = layer(hidden, position_embeddings=positions, attention_mask=None)
+        expected = model.lm_head(model.model.norm(hidden))
+        got = draft(ids, use_cache=False).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"--draft_layers \(4\) must be fewer than the target's 4 layers"):
+        bench.early_exit_draft(model, 4)
+
+
+def test_speculative_benchmark_runs_end_to_end(tmp_path):
+    tokenizer = tiny_tokenizer()
+    texts = [" ".join(f"w{(7 * i + j * j) % 90}" for j in range(200)) for i in range(3)]
+    options = bench.SpeculativeOptions(passages=2, passage_tokens=24, new_tokens=10, document_tokens=48,
+                                       answer_tokens=3, draft_layers=2, draft_tokens=4, lookup_tokens=4)
+    results = bench.measure(tiny_models(), tokenizer, texts, options, tmp_path, log=lambda *_: None)
+    report = {"environment": {"threads": torch.get_num_threads()}, "options": dataclasses.asdict(options),
+              "command": "delta-attention bench-speculative", "models": results}
+    bench.write_report(report, tmp_path, log=lambda *_: None)
+
+    for name, result in results.items():
+        rows = {(r["task"], r["method"]): r for r in result["generation"]}
+        assert set(rows) == {(t, m) for t in ("grounded", "continuation") for m in bench.METHODS}
+        for (task, method), row in rows.items():
+            assert "error" not in row, f"{name} {task} {method}: {row.get('error')}"
+            assert row["prompts"] == 2 and row["new_tokens"] == 20 and row["tokens_per_second"] > 0
+            if method != "greedy":  # token for token the greedy output, from real drafts
+                assert row["identical"] == 2, f"{name} {task} {method}"
+                assert 0 <= row["accepted"] <= row["drafted"] and row["steps"] >= 1
+                assert row["tokens_per_step"] == pytest.approx(20 / row["steps"])
+                assert row["speedup"] == pytest.approx(row["tokens_per_second"] / rows[(task, "greedy")][
+                    "tokens_per_second"])
+        document = result["document"]
+        assert document["document_tokens"] == 48 and document["same_answer"]
+        assert document["state_bytes"] > 0 and document["speedup"] > 0
+    assert not list(tmp_path.glob("*.state.safetensors"))  # the states are removed after the measurement
+
+    written = json.loads((tmp_path / "speculative.json").read_text())
+    assert written["models"].keys() == results.keys()
+    table = (tmp_path / "speculative.md").read_text()
+    header = "| model | task | method | tokens/s | vs greedy | acceptance | tokens per step | identical to greedy |"
+    assert header in table
+    assert "| hybrid | grounded | prompt lookup |" in table and "| all_delta | 48 |" in table
+    assert "prompt lookup on the grounded task" in table and "first token from the saved 48-token state" in table
+    assert (tmp_path / "speculative.png").stat().st_size > 0
+
+
+def test_bad_options_are_one_line_errors():
+    with pytest.raises(ValueError, match=r"^--tasks must be a comma-separated subset of"):
+        bench.SpeculativeOptions(tasks="grounded,quiz").validate()
+    with pytest.raises(ValueError, match=r"^--document_tokens \(5000\) must be a multiple of 4096"):
+        bench.SpeculativeOptions(document_tokens=5000).validate()
+    with pytest.raises(ValueError, match=r"^--new_tokens must be >= 1, got 0$"):
+        bench.SpeculativeOptions(new_tokens=0).validate()
