@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from .agreement import (DEFAULT_AGREEMENT_DATASET, AgreementSettings, agreement_inputs, agreement_markdown,
+                        compare_outputs, model_outputs)
 from .long_context import (DEFAULT_BUCKETS, check_long_context_options, long_context_markdown, long_perplexity,
                            parse_buckets, parse_depths, trained_context)
 from .peak_memory import task_peak_memory
@@ -19,7 +21,7 @@ from .tasks import decode_speed, mean_over_depths, passkey_grid
 from ..loading import check_model_spec, load_model
 from ..data.text import evaluation_texts
 
-TASKS = ("perplexity", "long_ppl", "passkey", "speed")
+TASKS = ("perplexity", "long_ppl", "passkey", "speed", "agreement")
 
 
 @dataclasses.dataclass
@@ -49,6 +51,14 @@ class EvaluateOptions:
     passkey_trials: int = dataclasses.field(default=1, metadata={"help": "prompts per length and depth"})
     speed_contexts: str = dataclasses.field(default="1024,4096,16384", metadata={"help": "contexts for decode speed"})
     speed_new_tokens: int = dataclasses.field(default=16, metadata={"help": "decode steps timed per context"})
+    agreement_dataset: str = dataclasses.field(default=DEFAULT_AGREEMENT_DATASET, metadata={
+        "help": "texts for agreement with --teacher (top-1, greedy continuations); same forms as --dataset"})
+    agreement_tokens: int = dataclasses.field(default=8192, metadata={"help": "teacher-forced positions compared"})
+    agreement_seq_len: int = dataclasses.field(default=512, metadata={"help": "teacher-forced window length"})
+    agreement_prompts: int = dataclasses.field(default=16, metadata={"help": "greedy-continuation prompts"})
+    agreement_prompt_tokens: int = dataclasses.field(default=48, metadata={"help": "tokens per continuation prompt"})
+    agreement_new_tokens: int = dataclasses.field(default=32, metadata={"help": "greedy tokens per continuation"})
+    answer_tokens: int = dataclasses.field(default=64, metadata={"help": "most new tokens of a chat-prompt answer"})
     output_dir: str = dataclasses.field(default="evaluation", metadata={"help": "where report.json/report.md go"})
     bf16: bool = dataclasses.field(default=False, metadata={"help": "run the models in bfloat16"})
     seed: int = dataclasses.field(default=0, metadata={"help": "seed of passkeys and speed prompts"})
@@ -110,6 +120,14 @@ def evaluate_model(model, tokenizer, options: EvaluateOptions, texts: list[str] 
     return result
 
 
+def agreement_settings(options: EvaluateOptions) -> AgreementSettings:
+    """The `agreement` task's settings from the options."""
+    return AgreementSettings(seq_len=options.agreement_seq_len, tokens=options.agreement_tokens,
+                             prompts=options.agreement_prompts, prompt_tokens=options.agreement_prompt_tokens,
+                             new_tokens=options.agreement_new_tokens, answer_tokens=options.answer_tokens,
+                             seed=options.seed).validate()
+
+
 def markdown_report(report: dict) -> str:
     """The report as markdown tables, one column per model."""
     names = list(report["models"])
@@ -133,6 +151,8 @@ def markdown_report(report: dict) -> str:
         lines += ["## Decode speed and cache memory", "", "| context | " + " | ".join(names) + " |\n|---|"
                   + "---|" * len(names) + "\n" + rows]
     lines += long_context_markdown(names, results)
+    if "agreement" in report:
+        lines += [agreement_markdown(report["agreement"], student=names[0], teacher=names[-1])]
     return "\n".join(lines)
 
 
@@ -160,19 +180,33 @@ def run_evaluate(options: EvaluateOptions) -> dict:
     check_long_context_options(options)
     if options.teacher:
         check_model_spec(options.teacher, "teacher")
+    agreement = "agreement" in [t.strip() for t in options.tasks.split(",")]
+    if agreement and not options.teacher:
+        raise ValueError("the agreement task compares the model with a teacher; pass --teacher SOURCE "
+                         "(or leave agreement out of --tasks)")
+    settings = agreement_settings(options) if agreement else None
     dtype = torch.bfloat16 if options.bf16 else torch.float32
     texts = perplexity_sets = None
     if "perplexity" in options.tasks or "long_ppl" in options.tasks:
         names = [name.strip() for name in options.dataset.split(",") if name.strip()]
         perplexity_sets = {name: evaluation_texts(name, options.text_column) for name in names}
         texts = [text for group in perplexity_sets[names[0]] for text in group]
+    if agreement:
+        evaluation_texts(options.agreement_dataset)  # a source that does not load fails before any model does
+    outputs, inputs = [], None  # agreement: the model's outputs, then the teacher's
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "dataset": options.dataset, "window": options.window,
               "stride": options.stride, "threads": torch.get_num_threads(), "models": {}}
     for spec in [options.model] + ([options.teacher] if options.teacher else []):
         model, tokenizer = load_model_and_tokenizer(spec, dtype)
         report["models"][Path(str(spec)).name or str(spec)] = evaluate_model(model, tokenizer, options, texts,
                                                                              perplexity_sets)
+        if agreement:  # both models get the inputs cut with the first model's tokenizer
+            inputs = inputs or agreement_inputs(tokenizer, options.agreement_dataset, settings)
+            outputs.append(model_outputs(model, tokenizer, inputs, settings, Path(str(spec)).name or str(spec)))
         del model
+    if agreement:
+        report["agreement"] = compare_outputs(outputs[0], outputs[1], inputs, settings,
+                                              options.agreement_dataset)
     out = Path(options.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=1))

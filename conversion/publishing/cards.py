@@ -11,6 +11,8 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from delta_attention.modeling.configuration_delta import DELTA_LAYER, delta_layer_indices
 
+from ..evaluation.agreement import agreement_markdown
+
 GATE_NAMES = {
     "none": "DeltaNet (no decay)",
     "scalar": "Gated DeltaNet (one decay per head)",
@@ -193,6 +195,8 @@ def distilled_card(conversion: dict, results: dict, model_name: str, eval_datase
         stages=stages, dataset=_display(recipe.get("dataset")), seq_len=recipe.get("seq_len"),
         batch_size=recipe.get("batch_size"), mixed_precision=recipe.get("mixed_precision"),
         eval_dataset=eval_name, results_table=results_table(results),
+        agreement=agreement_markdown(dict(results["agreement"], dataset=_display(results["agreement"]["dataset"])),
+                                     model_name, "teacher", level=3) if "agreement" in results else None,
         source_kv=f"{memory.get('source', {}).get('kv_per_token', 0):,}",
         converted_kv=f"{memory.get('converted', {}).get('kv_per_token', 0):,}",
         state_bytes=f"{memory.get('converted', {}).get('state_bytes', 0):,}",

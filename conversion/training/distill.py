@@ -24,6 +24,7 @@ import torch
 
 from ..converter.sources import SOURCE_ATTRIBUTE
 from ..data.text import PACKINGS, DataOptions, evaluation_windows, training_blocks, warn_if_longer_than_model
+from ..evaluation.agreement import AgreementSettings, agreement_inputs, agreement_markdown, measure_agreement
 from ..evaluation.perplexity import perplexity
 from ..loading import check_model_spec, load_model
 from ..output_folder import check_output_folder, on_main_process, open_run_folder_once
@@ -112,6 +113,12 @@ class DistillOptions:
         "help": "texts of other domains and eras (never trained on) whose perplexity is measured at the end of each "
                 "stage, beside the held-out one; auto: builtin:crossdomain when --eval_dataset is built-in, else "
                 "none; '' for none"})
+    agreement: bool = dataclasses.field(default=True, metadata={
+        "help": "after stage 2, measure agreement with the teacher (top-1, greedy continuations, chat answers; "
+                "needs --eval_tokens > 0)"})
+    agreement_dataset: str = dataclasses.field(default="auto", metadata={
+        "help": "texts for the agreement measures (as --dataset); auto: the cross-domain set when there is one "
+                "(see --crossdomain_dataset), else --eval_dataset"})
 
 
 def _parse_stages(text: str) -> set[int]:
@@ -232,6 +239,14 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
         crossdomain = _crossdomain_source(options)
         if crossdomain:
             crossdomain_windows = evaluation_windows(crossdomain, tokenizer, seq, max(1, options.eval_tokens // seq))
+    agreement = None  # what the agreement measures at the end compare: (inputs, settings, source)
+    if options.agreement and options.eval_tokens and 2 in stages:
+        source = options.agreement_dataset
+        if source == "auto":
+            source = _crossdomain_source(options) or options.eval_dataset
+        settings = AgreementSettings(seq_len=options.eval_seq_len or data.seq_len, tokens=options.eval_tokens,
+                                     seed=data.seed)
+        agreement = (agreement_inputs(tokenizer, source, settings), settings, source)
 
     run = open_run_folder_once(Path(options.output_dir), "distill", overwrite=options.overwrite,
                                resume=training.resume)
@@ -319,6 +334,8 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
                 long_blocks, out / "stage3", evaluate)
             results["stage3"]["lora"] = lora.record()
             results["stage3"]["crossdomain_ppl"] = _crossdomain_ppl(peft_model, crossdomain_windows)
+        if agreement is not None:
+            results["agreement"] = measure_agreement(peft_model, teacher, tokenizer, *agreement)
         if options.output == "merged":
             merged = peft_model.merge_and_unload()
             on_main_process(atomic_save, lambda folder: _save_distilled(merged, tokenizer, folder, options, results),
@@ -437,6 +454,11 @@ def _save_distilled(model, tokenizer, folder: Path, options: DistillOptions, res
 
 
 def _write_results(out: Path, results: dict) -> None:
-    partial = out / ".results.json.partial"
-    partial.write_text(json.dumps(results, indent=1))
-    os.replace(partial, out / "results.json")
+    """`results.json` and `report.md` (the perplexity table, then agreement with the teacher when measured)."""
+    report = "# Distillation results\n\n" + results_table(results) + "\n"
+    if "agreement" in results:
+        report += "\n" + agreement_markdown(results["agreement"]) + "\n"
+    for name, text in (("results.json", json.dumps(results, indent=1)), ("report.md", report)):
+        partial = out / f".{name}.partial"
+        partial.write_text(text)
+        os.replace(partial, out / name)
