@@ -169,7 +169,8 @@ def distilled_card(conversion: dict, results: dict, model_name: str, eval_datase
     if final is not None:
         eval_results = [EvalResult(task_type="text-generation", dataset_type="text", dataset_name=eval_name,
                                    metric_type="perplexity", metric_value=round(final, 3))]
-        final_crossdomain = (results.get("stage2") or results.get("stage1")).get("crossdomain_ppl")
+        final_crossdomain = (results.get("stage3") or results.get("stage2") or results.get("stage1")).get(
+            "crossdomain_ppl")
         if final_crossdomain is not None:
             eval_results.append(EvalResult(task_type="text-generation", dataset_type="text",
                                            dataset_name=_display(results.get("crossdomain_dataset")),
