@@ -145,9 +145,9 @@ def test_a_nan_loss_stops_cleanly(folders, tmp_path, monkeypatch):
     original = pipeline.LogitDistillation.forward
     calls = {"n": 0}
 
-    def explode(self, input_ids, position_ids=None):
+    def explode(self, input_ids, position_ids=None, labels=None):
         calls["n"] += 1
-        loss, metrics = original(self, input_ids, position_ids)
+        loss, metrics = original(self, input_ids, position_ids, labels=labels)
         return (loss * float("nan") if calls["n"] > 12 else loss), metrics
 
     monkeypatch.setattr(pipeline.LogitDistillation, "forward", explode)

@@ -383,7 +383,7 @@ def _long_context_stage(options: DistillOptions, data: DataOptions, training: Tr
                                          options.stage3_logit_chunk)
     started = time.perf_counter()
     result = run_training(
-        objective, _objective_loss, groups, blocks, long_training, folder, options.stage3_tokens, seed=data.seed + 2,
+        objective, _answer_loss, groups, blocks, long_training, folder, options.stage3_tokens, seed=data.seed + 2,
         evaluate=(lambda _: evaluate(peft_model)) if evaluate else None,
         description="stage 3 (long-context distillation)",
     )
@@ -424,7 +424,7 @@ def _objective_loss(objective, batch):
 
 
 def _answer_loss(objective, batch):
-    """Stage 2's `compute_loss`: `_objective_loss`, plus the `labels` of chat rows (teacher-generated answers, -100
+    """Stage 2's and stage 3's `compute_loss`: `_objective_loss`, plus the `labels` of chat rows (teacher-generated answers, -100
     outside them) so that only answer tokens count in the KL."""
     labels = batch.get("labels") if isinstance(batch, dict) else None
     return objective(**batch_inputs(batch), labels=labels)
