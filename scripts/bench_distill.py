@@ -218,6 +218,11 @@ def plot(report: dict, path: Path) -> None:
     axis.axhline(teacher, color="black", linestyle="--", label="teacher")
     axis.set(xlabel="tokens seen (stage 1 then stage 2)", ylabel="held-out perplexity", yscale="log",
              title="SmolLM2-135M distilled on 2 CPU cores")
+    save_figure(figure, axis, path)
+
+
+def save_figure(figure, axis, path: Path) -> None:
+    """Grid, legend, tight layout, and the PNG at `path` (every benchmark plot ends so)."""
     axis.grid(alpha=0.3)
     axis.legend()
     figure.tight_layout()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .bench_distill import BenchDistillOptions, distill_in_budget, teacher_finetune_speed
+from .bench_distill import BenchDistillOptions, distill_in_budget, save_figure, teacher_finetune_speed
 
 VARIANTS = {  # name -> ConversionSettings fields (the attention window is filled in from the options)
     "hybrid": {"keep_attention": "0.25"},
@@ -198,10 +198,7 @@ def plot(report: dict, path: Path) -> None:
         axis.plot(*zip(*points), "o-", label=name, color="black" if name == "teacher" else None)
     axis.set(xscale="log", yscale="log", xlabel="position in the document (bucket end, tokens)",
              ylabel="perplexity in the bucket", title="SmolLM2-135M conversions at long context")
-    axis.grid(alpha=0.3)
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    save_figure(figure, axis, path)
 
 
 Options = BenchLongContextOptions

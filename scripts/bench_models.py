@@ -72,7 +72,8 @@ def synthesized_cache(model, context: int, static_steps: int | None = None):
             if attention.conv_kernel_size:
                 conv = torch.randn(1, attention.conv1d.weight.shape[0], attention.conv_kernel_size, generator=generator)
                 cache.update_conv_state(conv.to(dtype), index, conv_kernel_size=attention.conv_kernel_size)
-            state = torch.randn(1, attention.num_heads, attention.key_head_dim, attention.value_head_dim, generator=generator)
+            state = torch.randn(1, attention.num_state_heads, attention.key_head_dim, attention.value_head_dim,
+                                generator=generator)
             cache.update_recurrent_state(state * 0.1, index, new_tokens=context)
         else:
             keys = torch.randn(kv_shape, generator=generator).to(dtype)

@@ -50,3 +50,21 @@ def test_bad_options_fail_before_any_work(field, value, message):
 
 def test_default_options_run_all_four_variants():
     assert check_options(BenchLongContextOptions()) == ["hybrid", "hybrid-sliding", "all-delta", "all-delta-gqa"]
+
+
+def test_synthesized_cache_fits_a_model_with_gqa_shared_state():
+    """The decode benchmark's stand-in cache (variant all-delta-gqa): states of [B, KV heads, K, V]."""
+    import torch
+
+    from delta_attention import DeltaConfig, DeltaForCausalLM
+    from delta_attention.scripts.bench_models import synthesized_cache
+
+    config = DeltaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         layer_types=["linear_attention", "full_attention"], linear_state_sharing="kv_head")
+    model = DeltaForCausalLM(config).eval()
+    cache = synthesized_cache(model, context=16)
+    assert cache.layers[0].recurrent_states[0].shape == (1, 2, 8, 8)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([[3]]), cache=cache, use_cache=True)
+    assert out.logits.shape == (1, 1, 64) and torch.isfinite(out.logits).all()
