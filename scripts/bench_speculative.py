@@ -2,13 +2,14 @@
 
     delta-attention bench-speculative [--hybrid_model DIR] [--delta_model DIR]    (or: benchmark --parts speculative)
 
-For the hybrid and the all-delta conversion of the offline SmolLM2-135M-Instruct GGUF (converted here, calibrated
-init, unless model folders are given), greedy decoding against prompt-lookup decoding and against an assistant
-model, on (a) an input-grounded task, quoting a held-out passage back ("Repeat the passage above word for word."),
-and (b) free continuation of held-out passages: tokens/s, the share of drafted tokens the model accepted, tokens
-per verification step, and whether every output is token for token the greedy one. Then the time to the first
-token of an answer about a long document (32k tokens by default) continued from its saved state (`load_cache`,
-the file read included) against re-reading the document. Writes `speculative.json`, `speculative.md` and
+For the hybrid and the all-delta conversion of the offline SmolLM2-135M-Instruct GGUF (the layouts of the
+distillation benchmark, `bench_distill.LAYOUTS`: 8 of 30 layers softmax, and every layer but layer 0 delta;
+converted here, calibrated init, unless model folders are given), greedy decoding against prompt-lookup decoding
+and against an assistant model, on (a) an input-grounded task, quoting a held-out passage back ("Repeat the
+passage above word for word."), and (b) free continuation of held-out passages: tokens/s, the share of drafted
+tokens the model accepted, tokens per verification step, and whether every output is token for token the greedy
+one. Then the time to the first token of an answer about a long document (32k tokens by default) continued from
+its saved state (`load_cache`, the file read included) against re-reading the document. Writes `speculative.json`, `speculative.md` and
 `speculative.png` under `--output_dir`.
 
 The assistant: unless `--assistant_model` names a model (same tokenizer), each target drafts with its own first
