@@ -9,8 +9,8 @@ and against an assistant model, on (a) an input-grounded task, quoting a held-ou
 passage above word for word."), and (b) free continuation of held-out passages: tokens/s, the share of drafted
 tokens the model accepted, tokens per verification step, and whether every output is token for token the greedy
 one. Then the time to the first token of an answer about a long document (32k tokens by default) continued from
-its saved state (`load_cache`, the file read included) against re-reading the document. Writes `speculative.json`, `speculative.md` and
-`speculative.png` under `--output_dir`.
+its saved state (`load_cache`, the file read included) against re-reading the document. Writes
+`speculative.json`, `speculative.md` and `speculative.png` under `--output_dir`.
 
 The assistant: unless `--assistant_model` names a model (same tokenizer), each target drafts with its own first
 `--draft_layers` layers, an early exit that shares the target's embeddings, layers, final norm and LM head (no
