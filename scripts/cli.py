@@ -24,10 +24,10 @@ SUBCOMMANDS = {
     "push": ("delta_attention.scripts.push", "push a model or adapter folder to the Hub"),
     "benchmark": ("delta_attention.scripts.benchmark", "kernel, decode, prefill and long-context benchmarks"),
     "bench-distill": ("delta_attention.scripts.bench_distill", "distil SmolLM2 hybrid and all-delta in a time budget"),
-    "bench-speculative": ("delta_attention.scripts.bench_speculative",
-                          "prompt lookup and assistant vs greedy; answers from a saved state"),
     "bench-long-context": ("delta_attention.scripts.bench_long_context",
                            "SmolLM2 converted four ways (full/sliding hybrid, all-delta, GQA state) at long context"),
+    "bench-speculative": ("delta_attention.scripts.bench_speculative",
+                          "prompt lookup and assistant vs greedy; answers from a saved state"),
 }
 
 
