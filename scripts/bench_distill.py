@@ -146,7 +146,8 @@ def distill_in_budget(folder: Path, converted: Path, teacher: str, data, trainin
                                    stages=str(stage), stage1_tokens=tokens, stage2_tokens=tokens, eval_tokens=0),
                     data, training)
         speeds[stage] = read_metrics(probe / f"stage{stage}" / "metrics.jsonl")[-1]["tokens_per_s"]
-        print(f"{folder.name} stage {stage}: {speeds[stage]:.0f} tokens/s (probe {time.perf_counter() - started:.0f} s)")
+        elapsed = time.perf_counter() - started
+        print(f"{folder.name} stage {stage}: {speeds[stage]:.0f} tokens/s (probe {elapsed:.0f} s)")
     budget = options.minutes_per_model * 60
     stage1_tokens = options.stage1_tokens or int(speeds[1] * budget * options.stage1_share)
     stage2_tokens = options.stage2_tokens or int(speeds[2] * budget * (1 - options.stage1_share))
@@ -166,7 +167,8 @@ def distill_in_budget(folder: Path, converted: Path, teacher: str, data, trainin
     for stage in (1, 2):
         for record in read_metrics(folder / "run" / f"stage{stage}" / "metrics.jsonl"):
             if "heldout_ppl" in record:
-                curve.append({"stage": stage, "tokens": offset + record["tokens"], "heldout_ppl": record["heldout_ppl"]})
+                curve.append({"stage": stage, "tokens": offset + record["tokens"],
+                              "heldout_ppl": record["heldout_ppl"]})
         offset += results[f"stage{stage}"]["tokens"]
     results["curve"] = curve
     return results

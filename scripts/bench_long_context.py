@@ -78,14 +78,16 @@ def check_options(options: BenchLongContextOptions) -> list[str]:
     return variants
 
 
-def measure(model, tokenizer, texts: list[str], options: BenchLongContextOptions, max_context: int | None = None) -> dict:
+def measure(model, tokenizer, texts: list[str], options: BenchLongContextOptions,
+            max_context: int | None = None) -> dict:
     """Long-document perplexity by bucket, passkey accuracy per length, cache bytes and decode ms/token."""
     from delta_attention.conversion.evaluation.long_context import long_perplexity, parse_buckets, parse_depths
     from delta_attention.conversion.evaluation.tasks import decode_speed, passkey_accuracy
 
     limit = max_context or max(_ints(options.decode_contexts) + _ints(options.passkey_lengths))
     return {
-        "long_ppl": long_perplexity(model, tokenizer, texts, options.long_max_tokens, parse_buckets(options.long_buckets)),
+        "long_ppl": long_perplexity(model, tokenizer, texts, options.long_max_tokens,
+                                    parse_buckets(options.long_buckets)),
         "passkey": passkey_accuracy(model, tokenizer, [n for n in _ints(options.passkey_lengths) if n <= limit],
                                     parse_depths(options.passkey_depths)),
         "decode": [decode_speed(model, context, options.decode_new_tokens)
@@ -162,7 +164,8 @@ def markdown(report: dict) -> str:
     lines = [f"Threads: {report['threads']}; {report['minutes_per_model']:g} min of distillation per model; "
              f"sliding window {report['attention_window']}; stage 3: {report['stage3_tokens']:,} tokens. Teacher full "
              f"fine-tuning: {report['teacher_finetune_tokens_per_s']:.0f} tokens/s.", "",
-             "| model | held-out ppl | vs teacher | cross-domain ppl | " + " | ".join(f"ppl {b}" for b in buckets) + " |",
+             "| model | held-out ppl | vs teacher | cross-domain ppl | "
+             + " | ".join(f"ppl {b}" for b in buckets) + " |",
              "|---" * (4 + len(buckets)) + "|"]
     for name, r, m in rows:
         short = r["stage2"]["heldout_ppl"] if r else next(iter(report["models"].values()), {}).get("teacher_ppl")

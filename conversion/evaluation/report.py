@@ -61,7 +61,8 @@ class EvaluateOptions:
     answer_tokens: int = dataclasses.field(default=64, metadata={"help": "most new tokens of a chat-prompt answer"})
     output_dir: str = dataclasses.field(default="evaluation", metadata={"help": "where report.json/report.md go"})
     bf16: bool = dataclasses.field(default=False, metadata={"help": "run the models in bfloat16"})
-    seed: int = dataclasses.field(default=0, metadata={"help": "seed of passkeys, speed prompts and sampled agreement answers"})
+    seed: int = dataclasses.field(default=0, metadata={
+        "help": "seed of passkeys, speed prompts and sampled agreement answers"})
 
 
 def _ints(text: str) -> list[int]:
