@@ -38,6 +38,30 @@ def tiny_delta_model(seed: int = 0, **overrides) -> DeltaForCausalLM:
     return DeltaForCausalLM(tiny_delta_config(**overrides)).eval()
 
 
+
+def tiny_llama_teacher(num_hidden_layers: int = 2):
+    """A randomly initialised tiny `LlamaForCausalLM` (seed 0) of the tiny delta configs' shape: a teacher."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                        num_hidden_layers=num_hidden_layers, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                                        pad_token_id=0, bos_token_id=1, eos_token_id=2))
+
+
+@torch.no_grad()
+def prefill_then_decode(model, input_ids: torch.Tensor, prefill: int):
+    """`(full, stepped, cache)`: the logits of one forward over `input_ids`, and those of a prefill of the first
+    `prefill` tokens followed by one cached decode step per remaining token (with the cache at the end)."""
+    full = model(input_ids, use_cache=False).logits
+    out = model(input_ids[:, :prefill], use_cache=True)
+    logits = [out.logits]
+    for t in range(prefill, input_ids.shape[1]):
+        out = model(input_ids[:, t : t + 1], cache=out.cache)
+        logits.append(out.logits)
+    return full, torch.cat(logits, 1), out.cache
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} <eos> {% endfor %}"
     "{% if add_generation_prompt %}<assistant> {% endif %}"

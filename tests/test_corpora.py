@@ -9,10 +9,8 @@ import json
 import math
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import tiny_tokenizer
+from conftest import tiny_llama_teacher, tiny_tokenizer
 from delta_attention.conversion.data import assets
 from delta_attention.conversion.data.text import (
     DataOptions,
@@ -186,11 +184,7 @@ def converted(tmp_path_factory):
     from delta_attention.conversion.converter.pipeline import ConversionSettings, convert
 
     root = tmp_path_factory.mktemp("corpora")
-    torch.manual_seed(0)
-    teacher = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                           max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
-                                           eos_token_id=2)).eval()
+    teacher = tiny_llama_teacher(num_hidden_layers=2).eval()
     teacher.save_pretrained(root / "teacher")
     tiny_tokenizer().save_pretrained(root / "teacher")
     settings = ConversionSettings(keep_attention="0", init="copy", calibration_tokens=128, calibration_seq_len=32,

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 import delta_attention.conversion.training.distill as pipeline
-from conftest import tiny_tokenizer
+from conftest import tiny_llama_teacher, tiny_tokenizer
 from delta_attention.conversion.converter.pipeline import ConversionSettings, convert
 from delta_attention.conversion.training.distill import DistillOptions, run_distill
 from delta_attention.conversion.training.metrics import read_metrics
@@ -34,11 +34,7 @@ def words(n, seed):
 def folders(tmp_path_factory):
     """A tiny Llama teacher with a tokenizer, its conversion (layer 0 kept) and train/eval text files."""
     root = tmp_path_factory.mktemp("distill")
-    torch.manual_seed(0)
-    teacher = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                           max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
-                                           eos_token_id=2))
+    teacher = tiny_llama_teacher(num_hidden_layers=3)
     # a teacher worth distilling: a few hundred steps on the structured text
     tokenizer = tiny_tokenizer()
     ids = torch.tensor(tokenizer(words(20000, 4))["input_ids"][: 600 * 32]).view(600, 32)

@@ -16,7 +16,7 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoModelForCausalLM
 
 import delta_attention  # noqa: F401  (registers the Auto classes)
-from conftest import tiny_delta_config, tiny_delta_model
+from conftest import prefill_then_decode, tiny_delta_config, tiny_delta_model
 from delta_attention.conversion import ConversionSettings, convert, convert_model
 from delta_attention.conversion.converter.weight_mapping import repeat_kv_rows
 from delta_attention.conversion.memory import cache_bytes, cache_figures, human_bytes
@@ -120,16 +120,9 @@ def test_shared_state_equals_the_per_head_model_with_repeated_key_side(gate):
 @pytest.mark.parametrize("gate", GATES)
 def test_shared_state_decode_matches_the_full_forward(gate):
     model = shared_model(gate)
-    ids = input_ids(length=40)
-    with torch.no_grad():
-        full = model(ids, use_cache=False).logits
-        out = model(ids[:, :25], use_cache=True)
-        logits = [out.logits]
-        for t in range(25, 40):
-            out = model(ids[:, t : t + 1], cache=out.cache)
-            logits.append(out.logits)
-    assert out.cache.layers[2].recurrent_states[0].shape == (2, KV_HEADS, DIM, DIM)
-    assert (torch.cat(logits, 1) - full).abs().max().item() <= 1e-4
+    full, stepped, cache = prefill_then_decode(model, input_ids(length=40), 25)
+    assert cache.layers[2].recurrent_states[0].shape == (2, KV_HEADS, DIM, DIM)
+    assert (stepped - full).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("gate", GATES)

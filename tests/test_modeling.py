@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import HYBRID_LAYERS, tiny_delta_model
+from conftest import HYBRID_LAYERS, prefill_then_decode, tiny_delta_model
 from delta_attention.conversion.memory import cache_bytes
 
 ALL_DELTA = ["linear_attention"] * 3
@@ -23,14 +23,8 @@ def build(layout, gate="scalar", **overrides):
 def test_prefill_then_decode_matches_full_forward(layout, gate):
     model = build(layout, gate)
     input_ids = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        full = model(input_ids, use_cache=False).logits
-        out = model(input_ids[:, :25], use_cache=True)
-        logits = [out.logits]
-        for t in range(25, 40):
-            out = model(input_ids[:, t : t + 1], cache=out.cache)
-            logits.append(out.logits)
-    assert (torch.cat(logits, 1) - full).abs().max() <= 1e-4
+    full, stepped, _ = prefill_then_decode(model, input_ids, 25)
+    assert (stepped - full).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
