@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -30,6 +31,16 @@ def atomic_save(save: Callable[[Path], object], folder: str | Path) -> Path:
             raise
     return folder
 
+
+
+def write_text_atomically(path: str | Path, text: str) -> Path:
+    """Write `text` to `path` through a hidden sibling (`.NAME.partial`) renamed into place once written, so a
+    reader never sees half a file."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+    return path
 
 def save_model_and_tokenizer(model, tokenizer, folder: str | Path) -> None:
     """`save_pretrained` of the model (safetensors, custom code) and, when there is one, of the tokenizer."""

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from .bench_distill import BenchDistillOptions, distill_in_budget, save_figure, teacher_finetune_speed
+from .benchmark import _ints
 
 VARIANTS = {  # name -> ConversionSettings fields (the attention window is filled in from the options)
     "hybrid": {"keep_attention": "0.25"},
@@ -44,6 +45,7 @@ class BenchLongContextOptions(BenchDistillOptions):
     stage3_tokens: int = dataclasses.field(default=0, metadata={"help": "long-context stage 3 tokens (0 = no stage 3)"})
     long_max_tokens: int = dataclasses.field(default=65_536, metadata={"help": "length of the long document"})
     long_buckets: str = dataclasses.field(default="0,2048,8192,32768,65536", metadata={"help": "position buckets"})
+    long_piece: int = dataclasses.field(default=1024, metadata={"help": "tokens per forward of the long document"})
     passkey_lengths: str = dataclasses.field(default="1024,4096,16384,65536", metadata={"help": "passkey lengths"})
     passkey_depths: str = dataclasses.field(default="0.1,0.5,0.9", metadata={"help": "relative needle depths"})
     decode_contexts: str = dataclasses.field(default="1024,65536,1048576", metadata={"help": "decode contexts"})
@@ -52,13 +54,9 @@ class BenchLongContextOptions(BenchDistillOptions):
         default=65_536, metadata={"help": "skip the teacher's passkey/decode points beyond this many tokens"})
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def check_options(options: BenchLongContextOptions) -> list[str]:
     """The variants to run; one `ValueError` naming the flag for anything that cannot work (before any loading)."""
-    from delta_attention.conversion.evaluation.long_context import parse_buckets, parse_depths
+    from delta_attention.conversion.evaluation.long_context import check_long_context_options
 
     variants = [name.strip() for name in options.variants.split(",") if name.strip()]
     unknown = [name for name in variants if name not in VARIANTS]
@@ -66,8 +64,7 @@ def check_options(options: BenchLongContextOptions) -> list[str]:
         raise ValueError(f"--variants {options.variants!r}: unknown {unknown}; choose from {list(VARIANTS)}")
     if options.attention_window < 1:
         raise ValueError(f"--attention_window must be a positive number of tokens, got {options.attention_window}")
-    parse_buckets(options.long_buckets)
-    parse_depths(options.passkey_depths)
+    check_long_context_options(options)  # buckets, depths, document length and piece size, as `evaluate` checks them
     for name in ("passkey_lengths", "decode_contexts"):
         try:
             values = _ints(getattr(options, name))
@@ -87,7 +84,7 @@ def measure(model, tokenizer, texts: list[str], options: BenchLongContextOptions
     limit = max_context or max(_ints(options.decode_contexts) + _ints(options.passkey_lengths))
     return {
         "long_ppl": long_perplexity(model, tokenizer, texts, options.long_max_tokens,
-                                    parse_buckets(options.long_buckets)),
+                                    parse_buckets(options.long_buckets), options.long_piece),
         "passkey": passkey_accuracy(model, tokenizer, [n for n in _ints(options.passkey_lengths) if n <= limit],
                                     parse_depths(options.passkey_depths)),
         "decode": [decode_speed(model, context, options.decode_new_tokens)

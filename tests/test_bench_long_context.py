@@ -41,6 +41,8 @@ def test_tables_put_each_figure_in_its_column():
     ("passkey_depths", "0.5,2", "--passkey_depths"),
     ("decode_contexts", "1024,-1", "--decode_contexts"),
     ("passkey_lengths", "many", "--passkey_lengths"),
+    ("long_max_tokens", 1, "--long_max_tokens must be at least 2"),
+    ("long_piece", 0, "--long_piece must be at least 1"),
 ])
 def test_bad_options_fail_before_any_work(field, value, message):
     options = BenchLongContextOptions(**{field: value})

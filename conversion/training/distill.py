@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import sys
 import time
@@ -29,7 +28,7 @@ from ..evaluation.perplexity import perplexity
 from ..loading import check_model_spec, load_model
 from ..output_folder import check_output_folder, on_main_process, open_run_folder_once
 from ..publishing.cards import distilled_card, results_table
-from ..saving import atomic_save, save_model_and_tokenizer
+from ..saving import atomic_save, save_model_and_tokenizer, write_text_atomically
 from .lora import LoraOptions, lora_config
 from .loop import TrainingOptions, run_training
 from .metrics import plot_metrics
@@ -459,6 +458,4 @@ def _write_results(out: Path, results: dict) -> None:
     if "agreement" in results:
         report += "\n" + agreement_markdown(results["agreement"]) + "\n"
     for name, text in (("results.json", json.dumps(results, indent=1)), ("report.md", report)):
-        partial = out / f".{name}.partial"
-        partial.write_text(text)
-        os.replace(partial, out / name)
+        write_text_atomically(out / name, text)

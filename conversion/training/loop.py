@@ -34,6 +34,7 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
+from ..saving import write_text_atomically
 from .checkpoints import find_checkpoint, has_checkpoints, latest_checkpoint, load_checkpoint, load_rng_state, \
     parameter_mismatch, rng_state, save_checkpoint, set_rng_state
 
@@ -249,9 +250,7 @@ def _metrics_up_to(metrics_path: Path, step: int) -> list[str]:
 
 
 def _write_metrics(metrics_path: Path, lines: list[str]) -> None:
-    partial = metrics_path.with_name(f".{metrics_path.name}.partial")
-    partial.write_text("".join(line + "\n" for line in lines))
-    os.replace(partial, metrics_path)
+    write_text_atomically(metrics_path, "".join(line + "\n" for line in lines))
 
 
 def run_training(
