@@ -117,15 +117,31 @@ def _recurrent_inplace(q, k, v, beta, g, state, scale) -> tuple[torch.Tensor, to
     flat = state.view(batch * heads, key_dim, value_dim)
     out = torch.empty(batch, seq_len, heads * groups, value_dim, dtype=v.dtype, device=v.device)
     for t in range(seq_len):
-        k_t = k[:, t].reshape(batch * heads, 1, key_dim).float()  # [BHkv, 1, K]
-        if g is not None:  # per head [B, Hkv] -> [BHkv, 1, 1]; per channel [B, Hkv, K] -> [BHkv, K, 1]
-            flat.mul_(g[:, t].reshape(batch * heads, -1, 1).float().exp())
-        delta = v[:, t].reshape(batch * heads, 1, value_dim).float() - torch.bmm(k_t, flat)  # [BHkv, 1, V]
-        delta.mul_(beta[:, t].reshape(batch * heads, 1, 1))
-        flat.baddbmm_(k_t.mT, delta)  # S += k (b (v - S^T k))^T, a rank-one update in place
-        q_t = q[:, t].reshape(batch * heads, groups, key_dim).float()  # the G queries of each KV head
-        torch.mul(torch.bmm(q_t, flat).view(batch, heads * groups, value_dim), scale, out=out[:, t])
+        # per head decay [B, Hkv] -> [BHkv, 1, 1]; per channel [B, Hkv, K] -> [BHkv, K, 1]
+        decay = None if g is None else g[:, t].reshape(batch * heads, -1, 1).float().exp()
+        o_t = delta_step_inplace(
+            flat,
+            q[:, t].reshape(batch * heads, groups, key_dim).float(),  # the G queries of each KV head
+            k[:, t].reshape(batch * heads, 1, key_dim).float(),
+            v[:, t].reshape(batch * heads, 1, value_dim).float(),
+            beta[:, t].reshape(batch * heads, 1, 1).float(),
+            decay,
+        )
+        torch.mul(o_t.view(batch, heads * groups, value_dim), scale, out=out[:, t])
     return out, state
+
+
+def delta_step_inplace(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                       decay: torch.Tensor | None = None) -> torch.Tensor:
+    """One token of the delta rule on `state` [N, K, V] (N = batch * KV heads; float32, contiguous), in place; no
+    autograd. q [N, G, K] (the G queries reading each state, scaled as wanted), k [N, 1, K], v [N, 1, V],
+    beta [N, 1, 1], decay (factors, not logs) None | [N, 1, 1] per head | [N, K, 1] per channel; all float32.
+    Returns o [N, G, V] = q S after the update."""
+    if decay is not None:
+        state.mul_(decay)
+    delta = torch.baddbmm(v, k, state, alpha=-1).mul_(beta)  # b (v - S^T k): [N, 1, V]
+    state.baddbmm_(k.mT, delta)  # S += k delta^T, a rank-one update in place
+    return torch.bmm(q, state)
 
 
 def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
@@ -165,4 +181,4 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
     return fast_chunk_delta_rule(q, k, v, beta, g, initial_state, scale, chunk_size, gate=gate)
 
 
-__all__ = ["chunk_delta_rule", "delta_rule_reference", "gate_kind", "recurrent_delta_rule"]
+__all__ = ["chunk_delta_rule", "delta_rule_reference", "delta_step_inplace", "gate_kind", "recurrent_delta_rule"]

@@ -41,9 +41,11 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .cache_io import load_cache, save_cache  # noqa: F401  (saved states ship with every checkpoint's code)
 from .configuration_delta import DeltaConfig
-from .delta_cache import DEFAULT_MAX_ROLLBACK, DeltaCache, cached_length, stop_recording, use_delta_layers
+from .delta_cache import (
+    DEFAULT_MAX_ROLLBACK, DeltaCache, DeltaLinearAttentionLayer, cached_length, stop_recording, use_delta_layers,
+)
 from .delta_prefill import KeptHidden, release_freed_memory
-from .delta_rule import chunk_delta_rule, recurrent_delta_rule
+from .delta_rule import chunk_delta_rule, delta_step_inplace, recurrent_delta_rule
 
 
 MASK_FUNCTIONS = {
@@ -84,6 +86,56 @@ class DeltaHeadRMSNorm(nn.Module):
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
         return (self.weight.view(self.num_heads, self.head_dim) * hidden_states).to(input_dtype)
+
+
+class FusedLinear:
+    """Several `nn.Linear`s that read the same input, as one matmul: their weights (and biases, zeros where a layer
+    has none) concatenated along the output dimension. For inference only (no autograd through it).
+
+    Not a module and not a buffer, so nothing of it reaches `state_dict` or a checkpoint: the layers keep their
+    own parameters and names. It holds an alias of each source tensor, which keeps the source's memory from being
+    reused, so `is_current` can tell a source that is the same tensor, unchanged since (same storage, dtype, shape
+    and autograd version counter, which `copy_`, `load_state_dict` and optimizer steps bump), from anything else.
+    """
+
+    def __init__(self, linears: list[nn.Linear]):
+        with torch.no_grad():
+            self.weight = torch.cat([linear.weight for linear in linears])  # [sum of out_features, in_features]
+            self.bias = None
+            if any(linear.bias is not None for linear in linears):
+                self.bias = torch.cat([linear.weight.new_zeros(linear.out_features) if linear.bias is None
+                                       else linear.bias for linear in linears])
+        self._sources = [(None, 0) if t is None else (t.detach(), t._version) for t in self._tensors(linears)]
+
+    @staticmethod
+    def _tensors(linears: list[nn.Linear]) -> list[torch.Tensor | None]:
+        return [t for linear in linears for t in (linear.weight, linear.bias)]
+
+    @staticmethod
+    def fits(linears: list[nn.Module]) -> bool:
+        """Whether `linears` can be fused: plain `nn.Linear`s (not PEFT or quantized wrappers, no accelerate hooks)
+        with real weights of one dtype and device."""
+        if not all(type(linear) is nn.Linear and not hasattr(linear, "_hf_hook") for linear in linears):
+            return False
+        weights = [linear.weight for linear in linears]
+        return weights[0].device.type != "meta" and all(
+            w.dtype == weights[0].dtype and w.device == weights[0].device for w in weights
+        )
+
+    def is_current(self, linears: list[nn.Linear]) -> bool:
+        """Whether every source tensor of `linears` is still the one fused, unchanged."""
+        tensors = self._tensors(linears)
+        return len(tensors) == len(self._sources) and all(
+            source is None if t is None else (
+                source is not None and t.data_ptr() == source.data_ptr() and t._version == version
+                and t.dtype == source.dtype and t.shape == source.shape
+            )
+            for t, (source, version) in zip(tensors, self._sources)
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x [..., in_features] -> [..., sum of out_features]: the layers' outputs side by side
+        return F.linear(x, self.weight, self.bias)
 
 
 class PackedDocuments:
@@ -132,6 +184,9 @@ class DeltaAttention(nn.Module):
     # `set_decay_at_rest` / `set_beta_at_rest` clamp their inputs to these ranges
     DECAY_AT_REST_RANGE = (0.5, 0.9999)
     BETA_AT_REST_RANGE = (1e-3, 1 - 1e-3)
+    # inference without autograd (eval mode, no grad) reads all input projections with one matmul (`FusedLinear`)
+    # and decodes one token on CPU with `_decode_step`; False (on the class or a layer) keeps the reference path
+    fast_inference = True
 
     def __init__(self, config: DeltaConfig, layer_idx: int):
         super().__init__()
@@ -181,6 +236,65 @@ class DeltaAttention(nn.Module):
         if config.linear_output_gate:
             self.g_proj = nn.Linear(hidden, self.value_dim, bias=True)
             self.gate_act = ACT2FN[config.linear_output_gate_activation]
+
+        # the projections of the layer's input, in the order `FusedLinear` concatenates them, and their widths
+        self.input_projections = ("q_proj", "k_proj", "v_proj", "b_proj") + ("a_proj",) * (self.gate != "none") + (
+            ("g_proj",) * bool(config.linear_output_gate))
+        self.input_widths = [self.key_dim + self.state_key_dim + self.state_value_dim, self.num_state_heads]
+        if self.gate != "none":
+            self.input_widths.append(self.a_proj.out_features)
+        if config.linear_output_gate:
+            self.input_widths.append(self.value_dim)
+        self._fused_inputs: FusedLinear | None = None
+
+    def __setattr__(self, name, value):
+        if name in self.__dict__.get("input_projections", ()):  # a projection swapped (PEFT wrapping or unloading)
+            self.__dict__["_fused_inputs"] = None
+        super().__setattr__(name, value)
+
+    def _apply(self, fn, recurse=True):
+        self._fused_inputs = None  # `.to()`, `.half()`, ...: rebuilt from the converted weights when next used
+        return super()._apply(fn, recurse)
+
+    def train(self, mode: bool = True):
+        if mode:
+            self._fused_inputs = None  # training reads the projections one by one; free the copy
+        return super().train(mode)
+
+    def _fused_input_projection(self) -> FusedLinear | None:
+        """The input projections as one `FusedLinear`, built on first use and rebuilt whenever a source parameter
+        changed; None when they cannot be fused (`FusedLinear.fits`)."""
+        linears = [getattr(self, name) for name in self.input_projections]
+        if not FusedLinear.fits(linears):
+            self._fused_inputs = None
+            return None
+        if self._fused_inputs is None or not self._fused_inputs.is_current(linears):
+            self._fused_inputs = None  # free the stale copy before building the new one
+            self._fused_inputs = FusedLinear(linears)
+        return self._fused_inputs
+
+    def _inference_fast(self) -> bool:
+        # the fast paths run only where no gradient can be needed, and eagerly (torch.compile traces the reference:
+        # it fuses the small ops itself and cannot trace `FusedLinear.is_current`)
+        return (self.fast_inference and not self.training and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling())
+
+    def _project_inputs(self, hidden_states: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """[..., hidden] -> (q|k|v [..., D], b [..., Hs], a [..., Hs or low rank] or None without a decay gate,
+        g [..., H * V] or None without an output gate). One matmul (`FusedLinear`) at inference when the
+        projections are plain `nn.Linear`s; one per projection otherwise (the reference)."""
+        fused = self._fused_input_projection() if self._inference_fast() else None
+        if fused is not None:
+            pieces = list(fused(hidden_states).split(self.input_widths, dim=-1))
+        else:
+            mixed_qkv = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states),
+                                   self.v_proj(hidden_states)], -1)
+            pieces = [mixed_qkv] + [getattr(self, name)(hidden_states) for name in self.input_projections[3:]]
+        mixed_qkv, b = pieces[:2]
+        a = pieces[2] if self.gate != "none" else None
+        g = pieces[-1] if self.config.linear_output_gate else None
+        return mixed_qkv, b, a, g
 
     def _short_conv(self, mixed_qkv: torch.Tensor, cache: Cache | None, attention_mask: torch.Tensor | None = None
                     ) -> torch.Tensor:
@@ -239,9 +353,13 @@ class DeltaAttention(nn.Module):
         # [B, T, hidden] -> log-decay [B, T, Hs] (scalar gate) or [B, T, Hs, K] (channel gate); None without a gate
         if self.gate == "none":
             return None
-        if self.gate == "scalar":
-            return self._decay_map(self.a_proj(hidden_states))
-        return self._decay_map(self.a_up_proj(self.a_proj(hidden_states)))
+        return self._gate_log_decay(self.a_proj(hidden_states))
+
+    def _gate_log_decay(self, a: torch.Tensor | None) -> torch.Tensor | None:
+        # a_proj's output [..., Hs] (scalar gate) or [..., low rank] (channel gate) -> log-decay; None without a gate
+        if a is None:
+            return None
+        return self._decay_map(a if self.gate == "scalar" else self.a_up_proj(a))
 
     @torch.no_grad()
     def decay_at_rest(self) -> torch.Tensor | None:
@@ -340,9 +458,11 @@ class DeltaAttention(nn.Module):
             output, _ = self(documents.unpack(hidden_states))
             return documents.pack(output, hidden_states), None
         batch, seq_len, _ = hidden_states.shape
+        if seq_len == 1 and attention_mask is None and self._decodes_fast(hidden_states, cache):
+            return self._decode_step(hidden_states, cache.layers[self.layer_idx]), None
         recurrent_state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
 
-        mixed_qkv = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
+        mixed_qkv, b, a, gate_input = self._project_inputs(hidden_states)
         if attention_mask is not None:  # 2D padding mask: padded positions write nothing and decay nothing
             mixed_qkv = mixed_qkv * attention_mask[:, :, None].to(mixed_qkv.dtype)
         if self.conv_kernel_size > 0:
@@ -355,8 +475,8 @@ class DeltaAttention(nn.Module):
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = l2_normalize(query), l2_normalize(key)
 
-        beta = self._beta(hidden_states)  # [B, T, Hs]
-        log_decay = self._log_decay(hidden_states)
+        beta = self._beta_map(b)  # [B, T, Hs]
+        log_decay = self._gate_log_decay(a)  # [B, T, Hs] or [B, T, Hs, K]; None without a gate
         if attention_mask is not None:
             keep = attention_mask[:, :, None].float()
             beta = beta * keep
@@ -374,9 +494,61 @@ class DeltaAttention(nn.Module):
 
         output = self.o_norm(output)  # [B, T, H, V]
         output = output.reshape(batch, seq_len, self.value_dim)
-        if self.config.linear_output_gate:
-            output = output * self.gate_act(self.g_proj(hidden_states))
+        if gate_input is not None:
+            output = output * self.gate_act(gate_input)
         return self.o_proj(output), None
+
+    def _decodes_fast(self, hidden_states: torch.Tensor, cache: Cache | None) -> bool:
+        """Whether this one-token step can take `_decode_step`: fast inference on, no autograd, CPU, and a cache
+        entry holding a float32 state and a conv window of the kernel's width, not recording for a rollback."""
+        if cache is None or not self._inference_fast() or hidden_states.device.type != "cpu":
+            return False
+        layer = cache.layers[self.layer_idx]
+        if not isinstance(layer, DeltaLinearAttentionLayer) or layer.record_past or not layer.has_previous_state[0]:
+            return False
+        state = layer.recurrent_states[0] if layer.is_recurrent_states_initialized[0] else None
+        if state is None or state.dtype != torch.float32 or not state.is_contiguous():
+            return False
+        return self.conv_kernel_size == 0 or (
+            layer.is_conv_states_initialized[0] and layer.conv_states[0].shape[-1] == self.conv_kernel_size
+        )
+
+    def _decode_step(self, hidden_states: torch.Tensor, layer: DeltaLinearAttentionLayer) -> torch.Tensor:
+        """`forward` for one new token per row, updating the cache entry `layer` in place (conv window, float32
+        state, token count): the fast path of decoding, without autograd (`_decodes_fast` says when).
+
+        The same maths as the reference path (equal to float32 rounding, tests/test_fast_decode.py) with fewer ops:
+        one matmul for the inputs, the conv's one output as a weighted sum over the window, q and k normalised
+        together in float32 (in 16-bit models too, where the reference normalises them in 16 bits), and one
+        in-place delta-rule step (`delta_step_inplace`). hidden_states [B, 1, hidden] -> [B, 1, hidden]."""
+        batch = hidden_states.shape[0]
+        heads, state_heads = self.num_heads, self.num_state_heads
+        key_dim, value_dim = self.key_head_dim, self.value_head_dim
+        mixed_qkv, b, a, gate_input = self._project_inputs(hidden_states[:, 0])  # [B, D], [B, Hs], ...
+        if self.conv_kernel_size > 0:
+            # [B, D, K + 1]: the cached inputs, then this token's; the cache keeps the last K
+            window = layer.update_conv_state(mixed_qkv[:, :, None], conv_kernel_size=self.conv_kernel_size)
+            mixed_qkv = self.conv_act((window[..., 1:] * self.conv1d.weight[:, 0]).sum(-1))  # the conv at this token
+        mixed_qkv = mixed_qkv.float()
+        query_key = mixed_qkv[:, : self.key_dim + self.state_key_dim].view(batch, heads + state_heads, key_dim)
+        if self.config.use_qk_norm:
+            query_key = torch.cat([self.q_norm(query_key[:, :heads]), self.k_norm(query_key[:, heads:])], 1)
+        query_key = l2_normalize(query_key)
+        # the G = H / Hs queries reading each state [B * Hs, G, K], scaled by K^-0.5 as `recurrent_delta_rule` does
+        query = query_key[:, :heads].reshape(batch * state_heads, heads // state_heads, key_dim) * key_dim**-0.5
+        key = query_key[:, heads:].reshape(batch * state_heads, 1, key_dim)
+        value = mixed_qkv[:, self.key_dim + self.state_key_dim :].reshape(batch * state_heads, 1, value_dim)
+        beta = self._beta_map(b).reshape(batch * state_heads, 1, 1)
+        log_decay = self._gate_log_decay(a)  # [B, Hs] or [B, Hs, K]
+        decay = None if log_decay is None else log_decay.exp().reshape(batch * state_heads, -1, 1)
+        state = layer.recurrent_states[0]  # [B, Hs, K, V] float32
+        output = delta_step_inplace(state.view(batch * state_heads, key_dim, value_dim), query, key, value, beta, decay)
+        layer.update_recurrent_state(state, new_tokens=1)
+        output = self.o_norm(output.view(batch, 1, heads, value_dim)).to(hidden_states.dtype)
+        output = output.reshape(batch, 1, self.value_dim)
+        if gate_input is not None:
+            output = output * self.gate_act(gate_input[:, None])
+        return self.o_proj(output)
 
 
 class DeltaSoftmaxAttention(nn.Module):

@@ -1,0 +1,202 @@
+"""The fast inference paths of a delta layer (`FusedLinear` input projection, `DeltaAttention._decode_step`) against
+the reference path (`DeltaAttention.fast_inference = False`): equal outputs and cache states, float32 states in
+bf16 models, never a stale fused weight, and checkpoints that do not change.
+
+Tolerances: float32 logits and states within 1e-5 (absolute) of the reference; a bf16 model's logits within 0.05 of
+the float32 model's (logits of about unit size; bf16 keeps 8 bits of mantissa, about 4e-3 relative per op)."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
+
+from conftest import HYBRID_LAYERS, prefill_then_decode, tiny_delta_model
+from delta_attention import DeltaForCausalLM
+from delta_attention.modeling.modeling_delta import DeltaAttention, FusedLinear
+from isolated import load_isolated
+
+FLOAT32_ATOL = 1e-5
+BF16_ATOL = 0.05
+
+CONFIGS = {
+    "scalar gate": {},
+    "channel gate": dict(linear_gate="channel"),
+    "no gate, no conv": dict(linear_gate="none", linear_conv_kernel_size=0),
+    "GQA-shared state": dict(linear_state_sharing="kv_head"),
+    "no output gate, qk norm": dict(linear_output_gate=False, use_qk_norm=True),
+    "hybrid": dict(num_hidden_layers=4, layer_types=HYBRID_LAYERS, sliding_window=6),
+}
+
+
+@pytest.fixture
+def decode_steps(monkeypatch):
+    """Counts the calls of the fast decode step (a fast path that silently never runs would pass every test)."""
+    calls = []
+    step = DeltaAttention._decode_step
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.layer_idx)
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(DeltaAttention, "_decode_step", counted)
+    return calls
+
+
+def reference_path(model, enabled: bool = False):
+    for module in model.modules():
+        if isinstance(module, DeltaAttention):
+            module.fast_inference = enabled
+
+
+def states(cache) -> list[torch.Tensor]:
+    return [t for layer in cache.layers for t in (getattr(layer, "recurrent_states", {0: None})[0],
+                                                  getattr(layer, "conv_states", {0: None})[0]) if t is not None]
+
+
+def fused_count(model) -> int:
+    return sum(getattr(m, "_fused_inputs", None) is not None for m in model.modules() if isinstance(m, DeltaAttention))
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_fast_decode_equals_the_reference_and_the_full_forward(config, decode_steps):
+    model = tiny_delta_model(**CONFIGS[config])
+    ids = torch.randint(3, 97, (2, 14), generator=torch.Generator().manual_seed(1))
+    full, fast, fast_cache = prefill_then_decode(model, ids, 5)
+    delta_layers = len(model.config.delta_layers)
+    assert len(decode_steps) == 9 * delta_layers  # every decode step of every delta layer took the fast path
+    assert fused_count(model) == delta_layers
+    reference_path(model)
+    decode_steps.clear()
+    _, reference, reference_cache = prefill_then_decode(model, ids, 5)
+    assert not decode_steps and fused_count(model) == delta_layers  # (built before; unused now)
+    assert (fast - reference).abs().max() <= FLOAT32_ATOL
+    assert (fast - full).abs().max() <= FLOAT32_ATOL
+    for got, want in zip(states(fast_cache), states(reference_cache), strict=True):
+        assert (got - want).abs().max() <= FLOAT32_ATOL
+    assert fast_cache.get_seq_length() == reference_cache.get_seq_length() == 14
+
+
+@pytest.mark.parametrize("config", ["scalar gate", "channel gate", "GQA-shared state"])
+def test_bf16_model_runs_bf16_matmuls_with_float32_states(config, decode_steps):
+    model = tiny_delta_model(**CONFIGS[config])
+    ids = torch.randint(3, 97, (2, 14), generator=torch.Generator().manual_seed(2))
+    _, want, _ = prefill_then_decode(model, ids, 5)
+    model.to(torch.bfloat16)
+    full, fast, cache = prefill_then_decode(model, ids, 5)
+    assert decode_steps and fast.dtype == torch.bfloat16
+    assert all(layer.recurrent_states[0].dtype == torch.float32 for layer in cache.layers)
+    assert (fast.float() - want).abs().max() <= BF16_ATOL
+    assert (fast.float() - full.float()).abs().max() <= BF16_ATOL
+    reference_path(model)
+    _, reference, _ = prefill_then_decode(model, ids, 5)
+    assert (fast.float() - reference.float()).abs().max() <= BF16_ATOL
+
+
+def decode_logits(model, ids, prefill=4) -> torch.Tensor:
+    return prefill_then_decode(model, ids, prefill)[1]
+
+
+def reference_logits(model, ids, prefill=4) -> torch.Tensor:
+    reference_path(model)
+    try:
+        return decode_logits(model, ids, prefill)
+    finally:
+        reference_path(model, enabled=True)
+
+
+IDS = torch.randint(3, 97, (1, 9), generator=torch.Generator().manual_seed(3))
+
+
+def test_fused_weights_follow_load_state_dict_and_in_place_writes():
+    model = tiny_delta_model(seed=0)
+    decode_logits(model, IDS)  # builds the fused weights
+    other = tiny_delta_model(seed=5)
+    model.load_state_dict(other.state_dict())
+    assert (decode_logits(model, IDS) - decode_logits(other, IDS)).abs().max() <= FLOAT32_ATOL
+
+    model.load_state_dict(tiny_delta_model(seed=6).state_dict(), assign=True)  # new tensors in place of the old
+    assert (decode_logits(model, IDS) - reference_logits(model, IDS)).abs().max() <= FLOAT32_ATOL
+
+    attention = model.model.layers[1].self_attn
+    with torch.no_grad():
+        attention.b_proj.bias.add_(1.0)
+    assert (decode_logits(model, IDS) - reference_logits(model, IDS)).abs().max() <= FLOAT32_ATOL
+    attention.g_proj.weight.data = attention.g_proj.weight.data * 2  # a new tensor behind the same parameter
+    assert (decode_logits(model, IDS) - reference_logits(model, IDS)).abs().max() <= FLOAT32_ATOL
+
+
+def test_fused_weights_follow_dtype_round_trips_and_optimizer_steps():
+    model = tiny_delta_model(seed=0)
+    decode_logits(model, IDS)
+    model.to(torch.bfloat16)
+    decode_logits(model, IDS)
+    model.to(torch.float32)  # values now rounded to bf16: the float32 copy fused first must not come back
+    assert fused_count(model) == 0
+    assert (decode_logits(model, IDS) - reference_logits(model, IDS)).abs().max() <= FLOAT32_ATOL
+
+    # an optimizer step in eval mode (no `train()` to drop the fused weights): the version counters tell
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(IDS, labels=IDS).loss.backward()
+    optimizer.step()
+    assert (decode_logits(model, IDS) - reference_logits(model, IDS)).abs().max() <= FLOAT32_ATOL
+
+
+def test_fused_weights_are_never_used_with_gradients_or_peft_and_follow_a_lora_merge():
+    model = tiny_delta_model(seed=0)
+    decode_logits(model, IDS)
+    # with gradients on, the projections run one by one: their weights get gradients
+    model(IDS, labels=IDS).loss.backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+    assert model.model.layers[0].self_attn.b_proj.weight.grad is not None
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "g_proj"], init_lora_weights=False)
+    peft_model = get_peft_model(model, lora).eval()
+    assert fused_count(model) == 0  # wrapping the projections dropped them
+    with torch.no_grad():
+        adapted = peft_model(IDS).logits
+    assert fused_count(model) == 0  # and wrapped projections are not fused
+    merged = peft_model.merge_and_unload()
+    assert all(type(m.q_proj) is torch.nn.Linear for m in merged.modules() if isinstance(m, DeltaAttention))
+    with torch.no_grad():
+        assert (merged(IDS).logits - adapted).abs().max() <= FLOAT32_ATOL
+    assert fused_count(merged) == len(merged.model.layers)
+    assert (decode_logits(merged, IDS) - reference_logits(merged, IDS)).abs().max() <= FLOAT32_ATOL
+
+
+def test_fused_linear_refuses_what_it_cannot_fuse():
+    plain = [torch.nn.Linear(8, 4), torch.nn.Linear(8, 3, bias=False)]
+    assert FusedLinear.fits(plain)
+    fused = FusedLinear(plain)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.allclose(fused(x), torch.cat([plain[0](x), plain[1](x)], -1), atol=1e-6)
+    assert fused.is_current(plain)
+    assert not fused.is_current([plain[0], torch.nn.Linear(8, 3, bias=False)])
+    assert not FusedLinear.fits([plain[0], plain[1].to(torch.bfloat16)])
+
+    class Wrapped(torch.nn.Linear):
+        pass
+
+    assert not FusedLinear.fits([plain[0], Wrapped(8, 3)])
+
+
+def test_a_checkpoint_saved_from_a_fused_model_loads_unchanged(tmp_path):
+    never_fused = tiny_delta_model(num_hidden_layers=4, layer_types=HYBRID_LAYERS, sliding_window=6)
+    never_fused.save_pretrained(tmp_path / "plain")
+    model = tiny_delta_model(num_hidden_layers=4, layer_types=HYBRID_LAYERS, sliding_window=6)
+    decode_logits(model, IDS)
+    assert fused_count(model) == len(model.config.delta_layers) == 2
+    assert set(model.state_dict()) == set(never_fused.state_dict())
+    model.save_pretrained(tmp_path / "fused")
+    saved, plain = load_file(tmp_path / "fused" / "model.safetensors"), load_file(tmp_path / "plain" / "model.safetensors")
+    assert set(saved) == set(plain) and all(torch.equal(saved[name], plain[name]) for name in saved)
+
+    again = DeltaForCausalLM.from_pretrained(tmp_path / "fused").eval()
+    input_ids = [[5, 9, 17, 33, 2, 41, 8, 8, 60]]
+    with torch.no_grad():
+        logits = model(torch.tensor(input_ids)).logits
+        assert torch.equal(again(torch.tensor(input_ids)).logits, logits)
+    out = load_isolated(tmp_path / "fused", input_ids, tmp_path)  # transformers' remote-code path
+    assert torch.equal(out["logits"], logits)
+    assert torch.equal(out["generated"], model.generate(torch.tensor(input_ids)[:1, :6], max_new_tokens=8,
+                                                        do_sample=False))
