@@ -1,0 +1,87 @@
+"""The pieces the fast chunk kernel (`modeling/delta_chunk.py`) uses to save elementwise passes, each against a plain
+computation of the same thing: the triangular inverse that reads only the strict lower triangle, the causal masks
+cached across calls (also when first built under inference mode), and the output gradient scaled during its layout
+copy. The kernel's outputs and gradients against the per-token reference are in test_fast_kernels.py and
+test_gqa_kernels.py."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from delta_attention.modeling import delta_chunk
+from delta_attention.modeling.delta_rule import delta_rule_reference
+
+from conftest import delta_rule_inputs
+
+
+@pytest.mark.parametrize("size", [64, 16, 48])
+def test_unit_lower_inverse_reads_only_the_strict_lower_triangle(size):
+    """The kernel hands the solve its [C, C] score block as it is: whatever lies on and above the diagonal (here
+    large finite values) must not change (I + strict_tril(a))^-1, checked against a general inverse."""
+    keys = F.normalize(torch.randn(4, 3, size, 16, dtype=torch.float64), dim=-1)
+    a = torch.rand(4, 3, size, 1, dtype=torch.float64) * (keys @ keys.mT)  # diag(beta) K K^T
+    garbage = a + torch.triu(torch.full((size, size), 1e6, dtype=torch.float64))
+    want = torch.linalg.inv(torch.eye(size, dtype=torch.float64) + a.tril(-1))
+    got = delta_chunk.unit_lower_inverse(garbage.float())
+    assert got.dtype == torch.float32
+    assert (got.double() - want).abs().max() <= 1e-5
+
+
+def test_causal_masks_are_built_once_per_size_diagonal_device_and_dtype():
+    mask = delta_chunk.causal_mask(8, 0, torch.device("cpu"), torch.float32)
+    assert delta_chunk.causal_mask(8, 0, torch.device("cpu"), torch.float32) is mask
+    assert torch.equal(mask, torch.ones(8, 8).tril())
+    strict = delta_chunk.causal_mask(8, -1, torch.device("cpu"), torch.float32)
+    assert torch.equal(strict, torch.ones(8, 8).tril(-1))
+    half = delta_chunk.causal_mask(8, 0, torch.device("cpu"), torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and torch.equal(half.float(), mask)
+    boolean = delta_chunk.causal_mask(8, 0, torch.device("cpu"), torch.bool)
+    assert boolean.dtype == torch.bool and torch.equal(boolean, mask.bool())
+    other_device = delta_chunk.causal_mask(8, 0, torch.device("meta"), torch.float32)
+    assert other_device.device.type == "meta" and other_device.shape == (8, 8)
+
+
+def test_a_mask_first_built_in_inference_mode_still_serves_autograd():
+    """The cache outlives the call that filled it: a mask first needed under `torch.inference_mode` must be a normal
+    tensor, or autograd-tracked code using it later fails ("Inference tensors cannot be saved for backward")."""
+    delta_chunk.causal_mask.cache_clear()
+    with torch.inference_mode():
+        mask = delta_chunk.causal_mask(8, 0, torch.device("cpu"), torch.float32)
+    assert not mask.is_inference()
+    x = torch.randn(8, 8, requires_grad=True)
+    (x * mask).sum().backward()
+    assert torch.equal(x.grad, mask)
+
+
+@pytest.mark.parametrize("gate", ["scalar", "channel"])
+def test_kernel_after_inference_mode_call_matches_reference_gradients(gate):
+    """Inference first (masks cached inside `torch.inference_mode`), then a training call on the same shapes: the
+    gradients still match autograd through the per-token reference (float32, 1e-4)."""
+    delta_chunk.causal_mask.cache_clear()
+    q, k, v, beta, g = delta_rule_inputs(gate, seq_len=70, heads=2)
+    with torch.inference_mode():
+        delta_chunk.fast_chunk_delta_rule(q, k, v, beta, g, chunk_size=16)
+    weights = torch.randn(2, 70, 2, 8)
+
+    def grads(fn, **kw):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v, beta, g)]
+        out, final = fn(*leaves, **kw)
+        ((out * weights).sum() + final.square().sum()).backward()
+        return [leaf.grad for leaf in leaves]
+
+    for got, want in zip(grads(delta_chunk.fast_chunk_delta_rule, chunk_size=16), grads(delta_rule_reference)):
+        assert (got - want).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("seq_len", [128, 100])
+def test_to_chunks_scales_in_the_same_pass(seq_len):
+    """`to_chunks(..., scale=s)` (the backward's scaled output gradient) equals s times the plain layout copy, with
+    the padded tail still zero."""
+    x = torch.randn(2, seq_len, 3, 8)
+    plain = delta_chunk.to_chunks(x, 64, torch.float32)
+    scaled = delta_chunk.to_chunks(x, 64, torch.float32, scale=0.125)
+    assert torch.equal(scaled, plain * 0.125)
+    if seq_len % 64:
+        assert not scaled[-1, :, :, seq_len % 64 :].any()
+    as_bf16 = delta_chunk.to_chunks(x, 64, torch.bfloat16, scale=0.125)
+    assert as_bf16.dtype == torch.bfloat16 and torch.equal(as_bf16, (plain * 0.125).bfloat16())
