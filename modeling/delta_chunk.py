@@ -93,15 +93,29 @@ def to_chunks(x: torch.Tensor, chunk: int, dtype: torch.dtype, out: torch.Tensor
     return out
 
 
+def write_from_chunks(out: torch.Tensor, x: torch.Tensor, first_token: int = 0, scale: float | None = None):
+    """Writes chunks `x` [n, B, H, C, ...] into `out` [B, T, H, ...] from token `first_token` on (times `scale`),
+    dropping what lies past T (the zero padding): one pass, through views of `out` (a reshape of the permuted chunks
+    would copy them once more first)."""
+    chunk = x.shape[3]
+    out = out[:, first_token : first_token + x.shape[0] * chunk]
+
+    def write(destination, source):
+        return destination.copy_(source) if scale is None else torch.mul(source, scale, out=destination)
+
+    full, rest = divmod(out.shape[1], chunk)
+    if full:  # [full, B, H, C, ...] -> [B, full * C, H, ...]
+        write(out[:, : full * chunk].unflatten(1, (full, chunk)), x[:full].permute(1, 0, 3, 2, *range(4, x.dim())))
+    if rest:
+        write(out[:, full * chunk :], x[full, :, :, :rest].movedim(2, 1))
+
+
 def from_chunks(x: torch.Tensor, seq_len: int, dtype: torch.dtype, scale: float | None = None) -> torch.Tensor:
-    """[N, B, H, C, ...] -> [B, T, H, ...] in `dtype` (times `scale`): one copy."""
-    n_chunks, batch, heads, chunk = x.shape[:4]
-    x = x.permute(1, 0, 3, 2, *range(4, x.dim())).reshape(batch, n_chunks * chunk, heads, *x.shape[4:])
-    x = x[:, :seq_len]
-    out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    if scale is None:
-        return out.copy_(x)
-    return torch.mul(x, scale, out=out)
+    """[N, B, H, C, ...] -> [B, T, H, ...] in `dtype` (times `scale`): one pass."""
+    batch, heads = x.shape[1:3]
+    out = torch.empty(batch, seq_len, heads, *x.shape[4:], dtype=dtype, device=x.device)
+    write_from_chunks(out, x, scale=scale)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -374,17 +388,17 @@ def _scan_backward(terms: _ChunkTerms, grad_out: torch.Tensor, grad_final: torch
     return grads, grad_v_new
 
 
-def chunk_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_final, channel: bool):
+def chunk_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_final, channel: bool, grads_out):
     """Gradients of the chunked delta rule. `grad_out` [N, B, H, G, C, V] is for the unscaled output; `states` and
     `v_new` are what `chunk_forward` returned. Segments run last to first, the state gradient carried between them.
 
-    Returns (dqk [N, B, H, G + 1, C, K], dv, dbeta, dlog_decay (cumulative, same shape as log_decay), dstate).
+    `grads_out` = (dq [B, T, H * G, K], dk [B, T, H, K], dv [B, T, H, V], dbeta [B, T, H], dg (None or g's shape)):
+    each segment writes its part straight into these (no chunked copy of the whole gradient), dg already as the
+    per-token gradient (the reverse cumulative sum within each chunk done per segment). Returns dstate.
     """
-    n_chunks, batch, heads = qk.shape[:3]
-    grad_qk = torch.empty(qk.shape, dtype=torch.float32, device=qk.device)
-    grad_v = torch.empty(v.shape, dtype=torch.float32, device=qk.device)
-    grad_beta = torch.empty_like(beta)
-    grad_log = None if log_decay is None else torch.empty_like(log_decay)
+    n_chunks, batch, heads, stacked, chunk = qk.shape[:5]
+    grad_q, grad_k, grad_v, grad_beta, grad_g = grads_out
+    grad_q = grad_q.unflatten(2, (heads, stacked - 1))  # [B, T, H, G, K]: query head h = G * kv + j
     carried = grad_final
     for start, end in reversed(_segments(n_chunks, batch * heads)):
         segment = slice(start, end)
@@ -392,11 +406,16 @@ def chunk_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_final, 
             qk[segment], v[segment], beta[segment], _part(log_decay, segment), states[start : end + 1],
             v_new[segment], grad_out[segment], carried, channel,
         )
-        grad_qk[segment], grad_v[segment], grad_beta[segment] = parts[:3]
-        if grad_log is not None:
-            grad_log[segment] = parts[3]
+        first_token = start * chunk
+        grad_qk = parts[0]  # [n, B, H, G + 1, C, K] -> the G query blocks as [n, B, H, C, G, K]
+        write_from_chunks(grad_q, grad_qk[:, :, :, :-1].movedim(3, 4), first_token)
+        write_from_chunks(grad_k, grad_qk[:, :, :, -1], first_token)
+        write_from_chunks(grad_v, parts[1], first_token)
+        write_from_chunks(grad_beta, parts[2], first_token)
+        if grad_g is not None:  # dg_t = sum_{s >= t} dG_s within the chunk
+            write_from_chunks(grad_g, parts[3].flip(3).cumsum(3).flip(3), first_token)
         carried = parts[4]
-    return grad_qk, grad_v, grad_beta, grad_log, carried
+    return carried
 
 
 def _segment_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_final, channel: bool):
@@ -524,28 +543,21 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
     def backward(ctx, grad_out, grad_final):
         qk, v_c, beta_c, log_decay, states, v_new = ctx.saved_tensors
         seq_len, scale, q_dtype, k_dtype, v_dtype, beta_dtype, g_dtype, has_state, channel = ctx.meta
-        chunk, kv_heads = qk.shape[-2], qk.shape[2]
+        batch, chunk, kv_heads, groups = qk.shape[1], qk.shape[-2], qk.shape[2], qk.shape[3] - 1
+        key_dim, value_dim = qk.shape[-1], v_c.shape[-1]
         grad_out_c = to_chunks(grad_out, chunk, qk.dtype, scale=scale)  # [N, B, H, C, V]
         grad_out_c = grad_out_c.unflatten(2, (kv_heads, -1))  # [N, B, Hkv, G, C, V]
-        grad_qk, grad_v, grad_beta, grad_log, grad_state = chunk_backward(
-            qk, v_c, beta_c, log_decay, states, v_new, grad_out_c, grad_final, channel
+        device = qk.device
+        grads = (
+            torch.empty(batch, seq_len, kv_heads * groups, key_dim, dtype=q_dtype, device=device),
+            torch.empty(batch, seq_len, kv_heads, key_dim, dtype=k_dtype, device=device),
+            torch.empty(batch, seq_len, kv_heads, value_dim, dtype=v_dtype, device=device),
+            torch.empty(batch, seq_len, kv_heads, dtype=beta_dtype, device=device),
+            None if log_decay is None else torch.empty(batch, seq_len, *log_decay.shape[2:3], *log_decay.shape[4:],
+                                                       dtype=g_dtype, device=device),
         )
-        grad_g = None
-        if grad_log is not None:
-            dim = 3  # reverse cumulative sum inside each chunk: dg_t = sum_{s >= t} dG_s
-            grad_log = grad_log.flip(dim).cumsum(dim).flip(dim)
-            grad_g = from_chunks(grad_log, seq_len, g_dtype)
-        return (
-            from_chunks(grad_qk[:, :, :, :-1].flatten(2, 3), seq_len, q_dtype),  # query head h = G * kv + j
-            from_chunks(grad_qk[:, :, :, -1], seq_len, k_dtype),
-            from_chunks(grad_v, seq_len, v_dtype),
-            from_chunks(grad_beta, seq_len, beta_dtype),
-            grad_g,
-            grad_state if has_state else None,
-            None,
-            None,
-            None,
-        )
+        grad_state = chunk_backward(qk, v_c, beta_c, log_decay, states, v_new, grad_out_c, grad_final, channel, grads)
+        return (*grads, grad_state if has_state else None, None, None, None)
 
 
 def channel_decay_fits(g: torch.Tensor, chunk_size: int) -> bool:

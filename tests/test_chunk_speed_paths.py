@@ -1,7 +1,7 @@
 """The pieces the fast chunk kernel (`modeling/delta_chunk.py`) uses to save elementwise passes, each against a plain
 computation of the same thing: the triangular inverse that reads only the strict lower triangle, the causal masks
-cached across calls (also when first built under inference mode), and the output gradient scaled during its layout
-copy. The kernel's outputs and gradients against the per-token reference are in test_fast_kernels.py and
+cached across calls (also when first built under inference mode), the output gradient scaled during its layout
+copy, and chunks written back to the token layout through views (whole or one segment at a time). The kernel's outputs and gradients against the per-token reference are in test_fast_kernels.py and
 test_gqa_kernels.py."""
 
 import pytest
@@ -85,3 +85,29 @@ def test_to_chunks_scales_in_the_same_pass(seq_len):
         assert not scaled[-1, :, :, seq_len % 64 :].any()
     as_bf16 = delta_chunk.to_chunks(x, 64, torch.bfloat16, scale=0.125)
     assert as_bf16.dtype == torch.bfloat16 and torch.equal(as_bf16, (plain * 0.125).bfloat16())
+
+
+def plain_from_chunks(x, seq_len):
+    """[N, B, H, C, ...] -> [B, T, H, ...] the obvious way: permute, reshape (a copy), cut the padding."""
+    n_chunks, batch, heads, chunk = x.shape[:4]
+    x = x.permute(1, 0, 3, 2, *range(4, x.dim())).reshape(batch, n_chunks * chunk, heads, *x.shape[4:])
+    return x[:, :seq_len]
+
+
+@pytest.mark.parametrize("seq_len", [1, 63, 64, 130])
+@pytest.mark.parametrize("trailing", [(), (5,)])
+def test_from_chunks_matches_the_plain_layout(seq_len, trailing):
+    x = torch.randn(-(-seq_len // 64), 2, 3, 64, *trailing)
+    want = plain_from_chunks(x, seq_len)
+    assert torch.equal(delta_chunk.from_chunks(x, seq_len, torch.float32), want)
+    assert torch.equal(delta_chunk.from_chunks(x, seq_len, torch.float32, scale=0.5), want * 0.5)
+    assert torch.equal(delta_chunk.from_chunks(x, seq_len, torch.bfloat16), want.bfloat16())
+
+
+def test_segments_written_one_at_a_time_fill_the_whole_output():
+    """The backward writes each segment's chunks at its first token; the last segment's padding is dropped."""
+    x = torch.randn(5, 2, 3, 16, 4)  # 5 chunks of 16 tokens, 70 real tokens
+    out = torch.full((2, 70, 3, 4), float("nan"))
+    for start, end in [(3, 5), (0, 3)]:
+        delta_chunk.write_from_chunks(out, x[start:end], first_token=start * 16)
+    assert torch.equal(out, plain_from_chunks(x, 70))
