@@ -299,11 +299,12 @@ def _scan_forward(terms: _ChunkTerms, states: torch.Tensor, v_new: torch.Tensor)
     than the sequential matmul it saves.)
     """
     mm = terms.u.dtype
-    u, w = terms.flat(terms.u), terms.flat(terms.w)  # [N, BH, C, V], [N, BH, C, K]
+    w = terms.flat(terms.w)  # [N, BH, C, K]
     k_to_end = terms.flat(terms.k_to_end)  # [N, BH, C, K]
     decay = terms.chunk_decay()
-    for n in range(u.shape[0]):
-        torch.baddbmm(u[n], w[n], states[n].to(mm), alpha=-1, out=v_new[n])
+    v_new.copy_(terms.flat(terms.u))  # one batched copy; each step then subtracts W S in place
+    for n in range(w.shape[0]):
+        v_new[n].baddbmm_(w[n], states[n].to(mm), alpha=-1)
         if decay is None:
             states[n + 1] = states[n]
         else:
@@ -360,27 +361,31 @@ def _scan_backward(terms: _ChunkTerms, grad_out: torch.Tensor, grad_final: torch
     state's) and dV' [N, BH, C, V] (matmul dtype)."""
     mm = grad_out.dtype
     w = terms.flat(terms.w)  # [N, BH, C, K]
-    n_chunks, flat_heads, chunk, key_dim = w.shape
+    n_chunks, flat_heads, _, key_dim = w.shape
     value_dim = grad_out.shape[-1]
     k_to_end = terms.flat(terms.k_to_end)
     decay = terms.chunk_decay()
     # the parts that do not depend on the state gradient, batched over all chunks (and summed over the G query
-    # blocks reading the state: the group folded into the contracted rows)
+    # blocks reading the state: the group folded into the contracted rows), written where the loop then accumulates
+    # in place: dV' starts as M^T dO, dS_in as (Q . exp(G))^T dO
     grad_rows = grad_out.flatten(-3, -2)  # [N, B, H, G C, V]
-    m_grad = terms.flat(terms.m.flatten(-3, -2).mT @ grad_rows)  # [N, BH, C, V]
-    q_grad = terms.flat((terms.qk_decayed[..., :-1, :, :].flatten(-3, -2).mT @ grad_rows).float())  # [N, BH, K, V]
+    grad_v_new = terms.flat(terms.m.flatten(-3, -2).mT @ grad_rows)  # [N, BH, C, V], matmul dtype
     grads = torch.empty(n_chunks + 1, flat_heads, key_dim, value_dim, dtype=torch.float32, device=w.device)
+    q_rows = terms.qk_decayed[..., :-1, :, :].flatten(-3, -2).mT  # [N, B, H, K, G C]
+    if mm == torch.float32:
+        torch.matmul(q_rows, grad_rows, out=grads[:-1].view(grad_rows.shape[:3] + (key_dim, value_dim)))
+    else:
+        grads[:-1] = terms.flat(q_rows @ grad_rows)
     if grad_final is None:
         grads[-1].zero_()
     else:
         grads[-1] = grad_final.reshape(flat_heads, key_dim, value_dim)
-    grad_v_new = torch.empty(n_chunks, flat_heads, chunk, value_dim, dtype=mm, device=w.device)
     for n in range(n_chunks - 1, -1, -1):
-        torch.baddbmm(m_grad[n], k_to_end[n], grads[n + 1].to(mm), out=grad_v_new[n])
+        grad_v_new[n].baddbmm_(k_to_end[n], grads[n + 1].to(mm))
         if mm == torch.float32:
-            torch.baddbmm(q_grad[n], w[n].mT, grad_v_new[n], alpha=-1, out=grads[n])
+            grads[n].baddbmm_(w[n].mT, grad_v_new[n], alpha=-1)
         else:
-            torch.sub(q_grad[n], torch.bmm(w[n].mT, grad_v_new[n]).float(), out=grads[n])
+            grads[n] -= torch.bmm(w[n].mT, grad_v_new[n]).float()
         if decay is None:
             grads[n] += grads[n + 1]
         else:
@@ -455,7 +460,12 @@ def _segment_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_fina
     grad_v = rhs_v * beta[..., None]
 
     grad_scores = torch.empty(*qk.shape[:-2], chunk, chunk, dtype=torch.float32, device=qk.device)  # [..., G+1, C, C]
-    grad_scores[..., :-1, :, :] = (grad_out @ v_new.mT[..., None, :, :]).tril_()  # dM per query block
+    grad_m = grad_scores[..., :-1, :, :]  # dM per query block, written in place (float32) and masked by a multiply
+    if mm == torch.float32:
+        torch.matmul(grad_out, v_new.mT[..., None, :, :], out=grad_m)
+    else:
+        grad_m.copy_(grad_out @ v_new.mT[..., None, :, :])
+    grad_m.mul_(causal_mask(chunk, 0, grad_m.device, grad_m.dtype))
     torch.mul(grad_a, beta[..., :, None], out=grad_scores[..., -1, :, :])  # d(K K^T . Gamma)
     grad_qk_raw, grad_qk_decayed, grad_k_raw, grad_log = terms.scores.backward(grad_scores, terms.gated)
 
