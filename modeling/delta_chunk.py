@@ -289,14 +289,16 @@ class _ChunkTerms:
         return decay[..., None] if self.channel else decay[..., None, None]
 
 
-def _scan_forward(terms: _ChunkTerms, states: torch.Tensor, v_new: torch.Tensor) -> None:
+def _scan_forward(terms: _ChunkTerms, states: torch.Tensor, v_new: torch.Tensor,
+                  states_mm: torch.Tensor | None = None) -> None:
     """The sequential part: per chunk V' = U - W S, then S <- exp(G_C) S + Ke^T V'.
 
     Fills `states` [N + 1, BH, K, V] (float32; [0], the state entering the first chunk, is given) and `v_new`
     [N, BH, C, V] (matmul dtype). With bf16 inputs the two matmuls run in bf16 and their products are added to the
-    float32 state. (A variant that precomputes P = Diag(exp(G_C)) - Ke^T W and R = Ke^T U, leaving one matmul per chunk,
-    measured 15-30% slower in float32 and no faster in bf16: it costs two more batched matmuls, M W and Ke^T W,
-    than the sequential matmul it saves.)
+    float32 state; `states_mm` [N, BH, K, V] (bf16) then receives the bf16 copy of the state entering each chunk
+    that the first matmul needs, for the caller's output matmul to reuse. (A variant that precomputes
+    P = Diag(exp(G_C)) - Ke^T W and R = Ke^T U, leaving one matmul per chunk, measured 15-30% slower in float32 and
+    no faster in bf16: it costs two more batched matmuls, M W and Ke^T W, than the sequential matmul it saves.)
     """
     mm = terms.u.dtype
     w = terms.flat(terms.w)  # [N, BH, C, K]
@@ -304,7 +306,8 @@ def _scan_forward(terms: _ChunkTerms, states: torch.Tensor, v_new: torch.Tensor)
     decay = terms.chunk_decay()
     v_new.copy_(terms.flat(terms.u))  # one batched copy; each step then subtracts W S in place
     for n in range(w.shape[0]):
-        v_new[n].baddbmm_(w[n], states[n].to(mm), alpha=-1)
+        state = states[n] if states_mm is None else states_mm[n].copy_(states[n])
+        v_new[n].baddbmm_(w[n], state, alpha=-1)
         if decay is None:
             states[n + 1] = states[n]
         else:
@@ -340,11 +343,13 @@ def chunk_forward(qk, v, beta, log_decay, state, channel: bool):
     for start, end in _segments(n_chunks, flat_heads):
         segment = slice(start, end)
         terms = _ChunkTerms(qk[segment], v[segment], beta[segment], _part(log_decay, segment), channel)
-        _scan_forward(terms, states[start : end + 1], v_new[segment])
+        states_mm = None if mm == torch.float32 else states.new_empty((end - start, *states.shape[1:]), dtype=mm)
+        _scan_forward(terms, states[start : end + 1], v_new[segment], states_mm)
+        entering = states[start:end] if states_mm is None else states_mm  # [n, BH, K, V] in the matmul dtype
         # O = Q . exp(G) S + M V', batched over the segment's chunks, the group folded into the rows: [G C, ...]
         q_decayed = terms.qk_decayed[..., :-1, :, :].reshape(-1, groups * chunk, key_dim)
         out_flat = out[segment].view(-1, groups * chunk, value_dim)
-        torch.bmm(q_decayed, states[start:end].to(mm).view(-1, key_dim, value_dim), out=out_flat)
+        torch.bmm(q_decayed, entering.view(-1, key_dim, value_dim), out=out_flat)
         out_flat.baddbmm_(terms.m.reshape(-1, groups * chunk, chunk), v_new[segment].view(-1, chunk, value_dim))
     return out, states, v_new
 
