@@ -262,11 +262,12 @@ class _ChunkTerms:
 
         self.scores = _Scores(qk, self.qk_decayed, log_decay, self.decay, channel)
         gated = self.scores.forward()  # [..., G + 1, C, C]: M per query block, then K K^T . Gamma
-        a = _as(gated[..., -1, :, :], torch.float32) * beta[..., :, None]
+        kk = _as(gated[..., -1, :, :], torch.float32)  # K K^T . Gamma, float32: [..., C, C]
+        a = kk * beta[..., :, None]
         self.m = gated[..., :-1, :, :].to(mm)  # [..., G, C, C]
         self.inverse = unit_lower_inverse(a)  # float32 [..., C, C]
-        if for_backward:
-            self.gated = gated.float()
+        if for_backward:  # (the "gamma" form, the only one whose backward reads the scores, has them in float32)
+            self.gated, self.kk = gated, kk
 
         # U = T diag(b) V and W = T diag(b) (K . exp(G)): beta scales T's columns (one [C, C] pass) instead of the
         # right-hand sides, and two [C, C] x [C, 64] matmuls (contiguous U and W) beat one [C, C] x [C, 128]
@@ -459,7 +460,7 @@ def _segment_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_fina
     rhs_v, rhs_k_neg = _as(rhs_v, torch.float32), _as(rhs_k_neg, torch.float32)
 
     qk_decayed = _as(terms.qk_decayed, torch.float32)
-    kk = terms.gated[..., -1, :, :]
+    kk = terms.kk
     grad_beta = (rhs_v * _as(v, torch.float32)).sum(-1) - (rhs_k_neg * qk_decayed[..., -1, :, :]).sum(-1)
     grad_beta += (grad_a * kk).sum(-1)
     grad_v = rhs_v * beta[..., None]
