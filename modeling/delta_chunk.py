@@ -70,6 +70,14 @@ def causal_mask(size: int, diagonal: int, device: torch.device, dtype: torch.dty
 # layout
 
 
+def _write(destination: torch.Tensor, source: torch.Tensor, scale: float | None) -> None:
+    """destination <- source (times `scale`), casting to destination's dtype: one pass."""
+    if scale is None:
+        destination.copy_(source)
+    else:
+        torch.mul(source, scale, out=destination)
+
+
 def to_chunks(x: torch.Tensor, chunk: int, dtype: torch.dtype, out: torch.Tensor | None = None,
               scale: float | None = None) -> torch.Tensor:
     """[B, T, H, ...] -> [N, B, H, C, ...] in `dtype` (times `scale`), zero-padded at the end: one pass (layout, cast
@@ -81,14 +89,11 @@ def to_chunks(x: torch.Tensor, chunk: int, dtype: torch.dtype, out: torch.Tensor
     if out is None:
         out = x.new_empty((n_chunks, batch, heads, chunk, *x.shape[3:]), dtype=dtype)
     full, rest = divmod(seq_len, chunk)
-
-    def write(destination, source):
-        return destination.copy_(source) if scale is None else torch.mul(source, scale, out=destination)
-
     if full:  # [B, full * C, H, ...] -> [full, B, H, C, ...]
-        write(out[:full], x[:, : full * chunk].unflatten(1, (full, chunk)).permute(1, 0, 3, 2, *range(4, x.dim() + 1)))
+        source = x[:, : full * chunk].unflatten(1, (full, chunk)).permute(1, 0, 3, 2, *range(4, x.dim() + 1))
+        _write(out[:full], source, scale)
     if rest:
-        write(out[full, :, :, :rest], x[:, full * chunk :].movedim(2, 1))
+        _write(out[full, :, :, :rest], x[:, full * chunk :].movedim(2, 1), scale)
         out[full, :, :, rest:].zero_()
     return out
 
@@ -99,15 +104,12 @@ def write_from_chunks(out: torch.Tensor, x: torch.Tensor, first_token: int = 0, 
     would copy them once more first)."""
     chunk = x.shape[3]
     out = out[:, first_token : first_token + x.shape[0] * chunk]
-
-    def write(destination, source):
-        return destination.copy_(source) if scale is None else torch.mul(source, scale, out=destination)
-
     full, rest = divmod(out.shape[1], chunk)
     if full:  # [full, B, H, C, ...] -> [B, full * C, H, ...]
-        write(out[:, : full * chunk].unflatten(1, (full, chunk)), x[:full].permute(1, 0, 3, 2, *range(4, x.dim())))
+        source = x[:full].permute(1, 0, 3, 2, *range(4, x.dim()))
+        _write(out[:, : full * chunk].unflatten(1, (full, chunk)), source, scale)
     if rest:
-        write(out[:, full * chunk :], x[full, :, :, :rest].movedim(2, 1))
+        _write(out[:, full * chunk :], x[full, :, :, :rest].movedim(2, 1), scale)
 
 
 def from_chunks(x: torch.Tensor, seq_len: int, dtype: torch.dtype, scale: float | None = None) -> torch.Tensor:
