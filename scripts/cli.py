@@ -28,6 +28,8 @@ SUBCOMMANDS = {
                            "SmolLM2 converted four ways (full/sliding hybrid, all-delta, GQA state) at long context"),
     "bench-speculative": ("delta_attention.scripts.bench_speculative",
                           "prompt lookup and assistant vs greedy; answers from a saved state"),
+    "sweep-recipe": ("delta_attention.scripts.sweep_recipe",
+                     "short distillations changing one recipe knob each, chosen by cross-domain perplexity"),
 }
 
 

@@ -1,0 +1,129 @@
+"""`sweep-recipe` end to end on a tiny teacher: every variant scored, the winner by the rule, reruns reuse results."""
+
+import json
+import math
+
+import pytest
+
+import delta_attention.scripts.sweep_recipe as sweep
+from conftest import tiny_llama_teacher, tiny_tokenizer
+from test_distill import words
+from delta_attention.scripts.cli import main
+from delta_attention.scripts.sweep_recipe import SweepRecipeOptions, choose_winner
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """A tiny Llama teacher folder (with the tiny tokenizer) and training, held-out and cross-domain text files."""
+    root = tmp_path_factory.mktemp("sweep")
+    tiny_llama_teacher(num_hidden_layers=2).save_pretrained(root / "teacher")
+    tiny_tokenizer().save_pretrained(root / "teacher")
+    (root / "train.txt").write_text(words(6000, 2))
+    (root / "eval.txt").write_text(words(1500, 3))
+    (root / "cross.txt").write_text(" ".join(f"w{(i * 13) % 90}" for i in range(1500)))
+    return root
+
+
+def tiny_sweep(inputs, out, **overrides) -> SweepRecipeOptions:
+    fields = dict(output_dir=str(out), teacher=str(inputs / "teacher"), dataset=str(inputs / "train.txt"),
+                  eval_dataset=str(inputs / "eval.txt"), crossdomain_dataset=str(inputs / "cross.txt"),
+                  variants="baseline,temperature-2,lora-r8", init="copy", stage1_tokens=256, stage2_tokens=256,
+                  seq_len=32, batch_size=4, evaluations=1, eval_tokens=128, probe_steps=1, mixed_precision="no")
+    fields.update(overrides)
+    return SweepRecipeOptions(**fields)
+
+
+def test_sweep_scores_every_variant_picks_by_the_rule_and_reuses_finished_ones(inputs, tmp_path, monkeypatch, capsys):
+    runs = []
+    original = sweep.run_variant
+
+    def counted(folder, converted, teacher, options, name):
+        runs.append(name)
+        return original(folder, converted, teacher, options, name)
+
+    monkeypatch.setattr(sweep, "run_variant", counted)
+    out = tmp_path / "sweep"
+    assert sweep.run(tiny_sweep(inputs, out)) == 0
+    assert runs == ["baseline", "temperature-2", "lora-r8"]
+    report = json.loads((out / "results.json").read_text())
+    assert list(report["variants"]) == runs
+    for variant in report["variants"].values():
+        s = variant["scores"]
+        for key in ("heldout_ppl", "crossdomain_ppl", "heldout_ratio", "crossdomain_ratio", "top1_agreement"):
+            assert math.isfinite(s[key]), key
+        assert s["crossdomain_ratio"] == pytest.approx(s["crossdomain_ppl"] / s["teacher_crossdomain_ppl"])
+        assert (s["stage1_tokens"], s["stage2_tokens"]) == (256, 256)
+        assert 0 <= s["top1_agreement"] <= 1
+    assert report["variants"]["lora-r8"]["overrides"] == {"lora_r": 8, "lora_alpha": 16}
+    # the LoRA override reached stage 2 (distill_in_budget passes distill options only)
+    saved = json.loads((out / "variants" / "lora-r8" / "result.json").read_text())
+    assert saved["results"]["stage2"]["lora"]["r"] == 8
+    assert json.loads((out / "variants" / "baseline" / "result.json").read_text())["results"]["stage2"]["lora"][
+        "r"] == 16
+    assert saved["results"]["stage2"]["temperature"] == 1.0
+    assert json.loads((out / "variants" / "temperature-2" / "result.json").read_text())["results"]["stage2"][
+        "temperature"] == 2.0
+    # the winner follows the rule on the recorded numbers: lowest cross-domain ratio, ties by agreement, then ratio
+    ratios = {n: v["scores"]["crossdomain_ratio"] for n, v in report["variants"].items()}
+    tied = [n for n in ratios if ratios[n] <= min(ratios.values()) + 0.01]
+    expected = max(tied, key=lambda n: (report["variants"][n]["scores"]["top1_agreement"], -ratios[n]))
+    assert report["winner"] == expected
+    markdown = (out / "results.md").read_text()
+    assert f"| **{expected}** |" in markdown and markdown.count("\n| ") == 4  # header + 3 variants
+    assert (out / "sweep.png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert f"winner: {expected}; its recipe:" in printed and "delta-attention distill STUDENT" in printed
+
+    # a rerun with --resume reuses the finished variants: nothing trains again, nothing is rewritten
+    stamps = {n: (out / "variants" / n / "result.json").stat().st_mtime_ns for n in runs}
+    assert sweep.run(tiny_sweep(inputs, out, resume=True)) == 0
+    assert runs == ["baseline", "temperature-2", "lora-r8"]
+    assert stamps == {n: (out / "variants" / n / "result.json").stat().st_mtime_ns for n in runs}
+    assert json.loads((out / "results.json").read_text())["winner"] == expected
+    # a variant interrupted mid-way (no result.json) runs again from scratch
+    (out / "variants" / "temperature-2" / "result.json").unlink()
+    assert sweep.run(tiny_sweep(inputs, out, resume=True, variants="baseline,temperature-2")) == 0
+    assert runs[3:] == ["temperature-2"]
+
+
+def test_winner_rule_breaks_ties_by_agreement():
+    def variant(ratio, agreement):
+        return {"scores": {"crossdomain_ratio": ratio, "top1_agreement": agreement}}
+
+    variants = {"a": variant(1.50, 0.40), "b": variant(1.505, 0.60), "c": variant(1.40, 0.10),
+                "d": variant(float("nan"), 0.99)}
+    assert choose_winner(variants, tie_margin=0.01) == "c"
+    assert choose_winner(variants, tie_margin=0.2) == "b"  # a, b and c tied: the most agreement wins
+    assert choose_winner({"a": variant(1.5, 0.4), "b": variant(1.5, 0.4)}, 0.0) == "a"
+
+
+def test_unknown_variant_fails_in_one_line_before_anything_is_written(inputs, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    code = main(["sweep-recipe", "--output_dir", str(out), "--variants", "baseline,lora-r99"])
+    error = capsys.readouterr().err.strip()
+    assert code == 1 and not out.exists()
+    assert error.count("\n") == 0
+    assert error.startswith("delta-attention sweep-recipe: error: --variants: unknown ['lora-r99']; choose from [")
+    assert "'baseline'" in error and "'layers-auto'" in error
+
+
+def test_generated_variants_need_the_generated_folder(tmp_path):
+    with pytest.raises(ValueError, match=r"\['data-generated-mix'\] train on teacher-generated text; pass --generated"):
+        sweep.check_options(SweepRecipeOptions(output_dir=str(tmp_path / "o"), variants="data-generated-mix"))
+    assert "data-generated-mix" not in sweep.check_options(SweepRecipeOptions(output_dir=str(tmp_path / "o")))
+
+
+def test_existing_output_needs_resume_or_overwrite(inputs, tmp_path):
+    out = tmp_path / "sweep"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="already exists; pass --resume"):
+        sweep.check_options(tiny_sweep(inputs, out))
+
+
+def test_a_variant_may_not_change_what_every_variant_shares(tmp_path, monkeypatch):
+    monkeypatch.setitem(sweep.VARIANTS, "longer", {"stage2_tokens": 10})
+    monkeypatch.setitem(sweep.VARIANTS, "typo", {"temprature": 2.0})
+    for name, key in (("longer", "stage2_tokens"), ("typo", "temprature")):
+        with pytest.raises(ValueError, match=rf"variant {name}: \['{key}'\] cannot be overridden"):
+            sweep.check_options(SweepRecipeOptions(output_dir=str(tmp_path / "o"), variants=name))
