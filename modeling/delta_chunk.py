@@ -318,7 +318,7 @@ def _scan_forward(terms: _ChunkTerms, states: torch.Tensor, v_new: torch.Tensor,
         if mm == torch.float32:
             states[n + 1].baddbmm_(k_to_end[n].mT, v_new[n])
         else:
-            states[n + 1] += torch.bmm(k_to_end[n].mT, v_new[n]).float()
+            states[n + 1].add_(torch.bmm(k_to_end[n].mT, v_new[n]))  # bf16 product added to the float32 state
 
 
 def _segments(n_chunks: int, flat_heads: int):
@@ -393,7 +393,7 @@ def _scan_backward(terms: _ChunkTerms, grad_out: torch.Tensor, grad_final: torch
         if mm == torch.float32:
             grads[n].baddbmm_(w[n].mT, grad_v_new[n], alpha=-1)
         else:
-            grads[n] -= torch.bmm(w[n].mT, grad_v_new[n]).float()
+            grads[n].sub_(torch.bmm(w[n].mT, grad_v_new[n]))
         if decay is None:
             grads[n] += grads[n + 1]
         else:
