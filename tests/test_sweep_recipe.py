@@ -84,6 +84,10 @@ def test_sweep_scores_every_variant_picks_by_the_rule_and_reuses_finished_ones(i
     (out / "variants" / "temperature-2" / "result.json").unlink()
     assert sweep.run(tiny_sweep(inputs, out, resume=True, variants="baseline,temperature-2")) == 0
     assert runs[3:] == ["temperature-2"]
+    # a finished variant whose settings changed (another budget) runs again
+    assert sweep.run(tiny_sweep(inputs, out, resume=True, variants="baseline", stage2_tokens=384)) == 0
+    assert runs[4:] == ["baseline"]
+    assert json.loads((out / "results.json").read_text())["variants"]["baseline"]["scores"]["stage2_tokens"] == 384
 
 
 def test_winner_rule_breaks_ties_by_agreement():
