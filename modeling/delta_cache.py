@@ -69,6 +69,14 @@ class DeltaLinearAttentionLayer(LinearAttentionLayer):
             self.recorded = None
         return states
 
+    def count_updated_in_place(self, new_tokens: int) -> None:
+        """`update_recurrent_state` for a state the caller has already updated in place, in the cache's own buffer
+        (the model's fast decode step): count the tokens, without a copy."""
+        self.has_previous_state[0] = True
+        self.seen_tokens += new_tokens
+        if not self.record_past:
+            self.recorded = None
+
     def replace_conv_state(self, window: torch.Tensor, state_idx: int = 0) -> None:
         """Overwrite the conv window [B, D, K] in place (the model keeps the last *unmasked* inputs there)."""
         if self.record_past:

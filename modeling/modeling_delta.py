@@ -55,7 +55,10 @@ MASK_FUNCTIONS = {
 }
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+L2_NORM_EPS = 1e-6
+
+
+def l2_normalize(x: torch.Tensor, eps: float = L2_NORM_EPS) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dimension (fla's convention)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
@@ -533,19 +536,21 @@ class DeltaAttention(nn.Module):
         query_key = mixed_qkv[:, : self.key_dim + self.state_key_dim].view(batch, heads + state_heads, key_dim)
         if self.config.use_qk_norm:
             query_key = torch.cat([self.q_norm(query_key[:, :heads]), self.k_norm(query_key[:, heads:])], 1)
-        query_key = l2_normalize(query_key)
-        # the G = H / Hs queries reading each state [B * Hs, G, K], scaled by K^-0.5 as `recurrent_delta_rule` does
-        query = query_key[:, :heads].reshape(batch * state_heads, heads // state_heads, key_dim) * key_dim**-0.5
-        key = query_key[:, heads:].reshape(batch * state_heads, 1, key_dim)
+        # l2_normalize(x) = rms_norm(x, eps / K) / sqrt(K): one op for both; the queries also take the K^-0.5 scale
+        query_key = F.rms_norm(query_key, (key_dim,), eps=L2_NORM_EPS / key_dim)
+        # the G = H / Hs queries reading each state [B * Hs, G, K]
+        query = query_key[:, :heads].reshape(batch * state_heads, heads // state_heads, key_dim) * (1.0 / key_dim)
+        key = query_key[:, heads:].reshape(batch * state_heads, 1, key_dim) * key_dim**-0.5
         value = mixed_qkv[:, self.key_dim + self.state_key_dim :].reshape(batch * state_heads, 1, value_dim)
         beta = self._beta_map(b).reshape(batch * state_heads, 1, 1)
         log_decay = self._gate_log_decay(a)  # [B, Hs] or [B, Hs, K]
         decay = None if log_decay is None else log_decay.exp().reshape(batch * state_heads, -1, 1)
         state = layer.recurrent_states[0]  # [B, Hs, K, V] float32
         output = delta_step_inplace(state.view(batch * state_heads, key_dim, value_dim), query, key, value, beta, decay)
-        layer.update_recurrent_state(state, new_tokens=1)
-        output = self.o_norm(output.view(batch, 1, heads, value_dim)).to(hidden_states.dtype)
-        output = output.reshape(batch, 1, self.value_dim)
+        layer.count_updated_in_place(new_tokens=1)
+        output = F.rms_norm(output.view(batch, heads, value_dim), (value_dim,), eps=self.o_norm.variance_epsilon)
+        output = (output * self.o_norm.weight.view(heads, value_dim)).to(hidden_states.dtype)  # o_norm
+        output = output.view(batch, 1, self.value_dim)
         if gate_input is not None:
             output = output * self.gate_act(gate_input[:, None])
         return self.o_proj(output)
@@ -636,7 +641,7 @@ class DeltaDecoderLayer(GradientCheckpointingLayer):
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states = self._norm(self.input_layernorm, hidden_states)
         if self.layer_type == "linear_attention":
             hidden_states, _ = self.self_attn(
                 hidden_states, attention_mask=attention_mask, cache=cache, documents=documents, **kwargs
@@ -648,8 +653,15 @@ class DeltaDecoderLayer(GradientCheckpointingLayer):
             )
         hidden_states = residual + hidden_states
         residual = hidden_states
-        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states = self.mlp(self._norm(self.post_attention_layernorm, hidden_states))
         return residual + hidden_states
+
+    def _norm(self, norm: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        # a delta layer's fast inference path (`DeltaAttention._inference_fast`) runs the RMSNorm as one op,
+        # `F.rms_norm`, equal to `LlamaRMSNorm`'s six in float32
+        if self.layer_type == "linear_attention" and type(norm) is DeltaRMSNorm and self.self_attn._inference_fast():
+            return F.rms_norm(hidden_states, norm.weight.shape, norm.weight, norm.variance_epsilon)
+        return norm(hidden_states)
 
 
 class DeltaPreTrainedModel(PreTrainedModel):
