@@ -111,3 +111,54 @@ def test_segments_written_one_at_a_time_fill_the_whole_output():
     for start, end in [(3, 5), (0, 3)]:
         delta_chunk.write_from_chunks(out, x[start:end], first_token=start * 16)
     assert torch.equal(out, plain_from_chunks(x, 70))
+
+
+@pytest.fixture
+def fresh_bf16_check():
+    """`_cpu_has_native_bf16` is cached per process: cleared before and after a test that fakes the CPU."""
+    delta_chunk._cpu_has_native_bf16.cache_clear()
+    yield
+    delta_chunk._cpu_has_native_bf16.cache_clear()
+
+
+def test_cpu_without_native_bf16_is_detected_and_logged_once(monkeypatch, caplog, fresh_bf16_check):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    with caplog.at_level("INFO", logger=delta_chunk.logger.name):
+        assert not delta_chunk.bf16_matmuls(torch.device("cpu"))
+        assert not delta_chunk.bf16_matmuls(torch.device("cpu"))
+    assert [record.getMessage() for record in caplog.records] == [
+        "delta rule: this CPU has no native bf16 matmuls (AMX, AVX512-BF16): bf16 inputs run the chunk kernel in "
+        "float32 and get bf16 outputs"]
+    assert delta_chunk.bf16_matmuls(torch.device("meta"))  # off CPU bf16 matmuls stay
+
+
+def test_cpu_with_either_bf16_feature_keeps_bf16_matmuls(monkeypatch, fresh_bf16_check):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert delta_chunk.bf16_matmuls(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("gate", ["scalar", "channel"])
+def test_bf16_inputs_without_native_bf16_are_the_float32_kernel_rounded(monkeypatch, gate):
+    """Without native bf16 the kernel computes in float32: the output is exactly the float32 kernel's on the same
+    bf16-rounded inputs, cast to bf16, and the state is float32; the gradients differ only by the bf16 rounding of
+    the output gradient and of the returned q, k, v gradients (relative 1e-2)."""
+    monkeypatch.setattr(delta_chunk, "_cpu_has_native_bf16", lambda: False)
+    q, k, v, beta, g = delta_rule_inputs(gate, seq_len=70, heads=2, key_dim=16, value_dim=8)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    weights = torch.randn(2, 70, 2, 8)
+
+    def run(cast):
+        leaves = [(x.float() if cast else x).clone().requires_grad_(True) for x in (q, k, v, beta, g)]
+        out, final = delta_chunk.fast_chunk_delta_rule(*leaves, chunk_size=16)
+        ((out.float() * weights).sum() + final.square().sum()).backward()
+        return out, final, [leaf.grad for leaf in leaves]
+
+    out, final, grads = run(cast=False)
+    want_out, want_final, want_grads = run(cast=True)
+    assert out.dtype == torch.bfloat16 and final.dtype == torch.float32
+    assert torch.equal(out, want_out.bfloat16()) and torch.equal(final, want_final)
+    for got, want, leaf in zip(grads, want_grads, (q, k, v, beta, g)):
+        assert got.dtype == leaf.dtype
+        assert (got.float() - want).norm() <= 1e-2 * want.norm()

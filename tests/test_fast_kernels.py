@@ -105,12 +105,15 @@ def test_unit_lower_inverse(size):
     assert (delta_chunk.unit_lower_inverse(a) - want).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("native_bf16", [True, False])
 @pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
-def test_bf16_inputs_stay_within_bf16_rounding(gate):
-    """bf16 q/k/v run bf16 matmuls with float32 decays, inverse and state. Measured against the float32 kernel on
+def test_bf16_inputs_stay_within_bf16_rounding(monkeypatch, gate, native_bf16):
+    """bf16 q/k/v run bf16 matmuls with float32 decays, inverse and state (on a CPU without native bf16, set here
+    by `native_bf16=False`, the kernel computes in float32 instead). Measured against the float32 kernel on
     the same (bf16-rounded) inputs, at T = 256 and 2048 (H = 2, d = 64): relative error (norm of the difference
     over norm of the reference) 4.4e-3 to 4.8e-3 for the output, 3.4e-3 to 3.9e-3 for the final state and 0.5e-3
     to 7.2e-3 for every gradient, independent of T (also 4.8e-3 at T = 8192 without decay). Asserted: 1.5e-2."""
+    monkeypatch.setattr(delta_chunk, "_cpu_has_native_bf16", lambda: native_bf16)
     q, k, v, beta, g = random_inputs(gate, batch=1, seq_len=256, heads=2, key_dim=64, value_dim=64, decay=0.1)
     q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
     weights = torch.randn(1, 256, 2, 64)
