@@ -108,33 +108,43 @@ class FusedLinear:
             if any(linear.bias is not None for linear in linears):
                 self.bias = torch.cat([linear.weight.new_zeros(linear.out_features) if linear.bias is None
                                        else linear.bias for linear in linears])
-        self._sources = [(None, 0) if t is None else (t.detach(), t._version) for t in self._tensors(linears)]
+        # per layer: (weight alias, its version, bias alias or None, its version)
+        self._sources = [(linear.weight.detach(), linear.weight._version,
+                          None if linear.bias is None else linear.bias.detach(),
+                          0 if linear.bias is None else linear.bias._version) for linear in linears]
 
     @staticmethod
-    def _tensors(linears: list[nn.Linear]) -> list[torch.Tensor | None]:
-        return [t for linear in linears for t in (linear.weight, linear.bias)]
+    def _plain(linear: nn.Module) -> bool:
+        # a plain `nn.Linear` (not a PEFT or quantized wrapper) without accelerate hooks
+        return type(linear) is nn.Linear and "_hf_hook" not in linear.__dict__
 
     @staticmethod
     def fits(linears: list[nn.Module]) -> bool:
         """Whether `linears` can be fused: plain `nn.Linear`s (not PEFT or quantized wrappers, no accelerate hooks)
         with real weights of one dtype and device."""
-        if not all(type(linear) is nn.Linear and not hasattr(linear, "_hf_hook") for linear in linears):
+        if not all(FusedLinear._plain(linear) for linear in linears):
             return False
         weights = [linear.weight for linear in linears]
         return weights[0].device.type != "meta" and all(
             w.dtype == weights[0].dtype and w.device == weights[0].device for w in weights
         )
 
-    def is_current(self, linears: list[nn.Linear]) -> bool:
-        """Whether every source tensor of `linears` is still the one fused, unchanged."""
-        tensors = self._tensors(linears)
-        return len(tensors) == len(self._sources) and all(
-            source is None if t is None else (
-                source is not None and t.data_ptr() == source.data_ptr() and t._version == version
-                and t.dtype == source.dtype and t.shape == source.shape
-            )
-            for t, (source, version) in zip(tensors, self._sources)
-        )
+    @staticmethod
+    def _unchanged(tensor: torch.Tensor | None, source: torch.Tensor | None, version: int) -> bool:
+        if tensor is None or source is None:
+            return tensor is None and source is None
+        return (tensor.data_ptr() == source.data_ptr() and tensor._version == version and tensor.dtype == source.dtype
+                and tensor.shape == source.shape)
+
+    def is_current(self, linears: list[nn.Module]) -> bool:
+        """Whether `linears` are still plain `nn.Linear`s whose every tensor is the one fused, unchanged."""
+        if len(linears) != len(self._sources):
+            return False
+        for linear, (weight, weight_version, bias, bias_version) in zip(linears, self._sources):
+            if not (self._plain(linear) and self._unchanged(linear.weight, weight, weight_version)
+                    and self._unchanged(linear.bias, bias, bias_version)):
+                return False
+        return True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., in_features] -> [..., sum of out_features]: the layers' outputs side by side
@@ -268,11 +278,10 @@ class DeltaAttention(nn.Module):
         """The input projections as one `FusedLinear`, built on first use and rebuilt whenever a source parameter
         changed; None when they cannot be fused (`FusedLinear.fits`)."""
         linears = [getattr(self, name) for name in self.input_projections]
-        if not FusedLinear.fits(linears):
-            self._fused_inputs = None
-            return None
-        if self._fused_inputs is None or not self._fused_inputs.is_current(linears):
-            self._fused_inputs = None  # free the stale copy before building the new one
+        if self._fused_inputs is not None and self._fused_inputs.is_current(linears):
+            return self._fused_inputs
+        self._fused_inputs = None  # free the stale copy before building a new one
+        if FusedLinear.fits(linears):
             self._fused_inputs = FusedLinear(linears)
         return self._fused_inputs
 
