@@ -198,8 +198,10 @@ class DeltaAttention(nn.Module):
     DECAY_AT_REST_RANGE = (0.5, 0.9999)
     BETA_AT_REST_RANGE = (1e-3, 1 - 1e-3)
     # inference without autograd (eval mode, no grad) reads all input projections with one matmul (`FusedLinear`)
-    # and decodes one token on CPU with `_decode_step`; False (on the class or a layer) keeps the reference path
+    # and decodes one token on CPU with `_decode_step`; False (on the class or a layer) keeps the reference path.
+    # `fuse_projections = False` keeps the fast decode step but reads the projections one by one (no fused copy)
     fast_inference = True
+    fuse_projections = True
 
     def __init__(self, config: DeltaConfig, layer_idx: int):
         super().__init__()
@@ -296,7 +298,7 @@ class DeltaAttention(nn.Module):
         """[..., hidden] -> (q|k|v [..., D], b [..., Hs], a [..., Hs or low rank] or None without a decay gate,
         g [..., H * V] or None without an output gate). One matmul (`FusedLinear`) at inference when the
         projections are plain `nn.Linear`s; one per projection otherwise (the reference)."""
-        fused = self._fused_input_projection() if self._inference_fast() else None
+        fused = self._fused_input_projection() if self.fuse_projections and self._inference_fast() else None
         if fused is not None:
             pieces = list(fused(hidden_states).split(self.input_widths, dim=-1))
         else:

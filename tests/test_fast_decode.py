@@ -76,6 +76,19 @@ def test_fast_decode_equals_the_reference_and_the_full_forward(config, decode_st
     assert fast_cache.get_seq_length() == reference_cache.get_seq_length() == 14
 
 
+def test_fast_decode_without_fused_projections(monkeypatch, decode_steps):
+    model = tiny_delta_model(linear_gate="channel")
+    ids = torch.randint(3, 97, (2, 10), generator=torch.Generator().manual_seed(4))
+    _, fused, _ = prefill_then_decode(model, ids, 4)
+    monkeypatch.setattr(DeltaAttention, "fuse_projections", False)
+    model = tiny_delta_model(linear_gate="channel")
+    decode_steps.clear()
+    full, unfused, _ = prefill_then_decode(model, ids, 4)
+    assert len(decode_steps) == 6 * 3 and fused_count(model) == 0  # the fast step, without a fused copy
+    assert (unfused - fused).abs().max() <= FLOAT32_ATOL
+    assert (unfused - full).abs().max() <= FLOAT32_ATOL
+
+
 @pytest.mark.parametrize("config", ["scalar gate", "channel gate", "GQA-shared state"])
 def test_bf16_model_runs_bf16_matmuls_with_float32_states(config, decode_steps):
     model = tiny_delta_model(**CONFIGS[config])
