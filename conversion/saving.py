@@ -42,6 +42,24 @@ def write_text_atomically(path: str | Path, text: str) -> Path:
     os.replace(partial, path)
     return path
 
+
+def write_bytes_atomically(path: str | Path, data: bytes) -> Path:
+    """Write `data` to `path` through a hidden sibling of a name of its own (`.NAME.XXXX.partial`) renamed into
+    place once written: a reader never sees half a file, and processes writing the same file at once (data
+    parallel workers) never write into each other's."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(data)
+        os.replace(partial, path)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
+    return path
+
+
 def save_model_and_tokenizer(model, tokenizer, folder: str | Path) -> None:
     """`save_pretrained` of the model (safetensors, custom code) and, when there is one, of the tokenizer."""
     model.save_pretrained(folder)

@@ -29,7 +29,7 @@ from ..precision import autocast
 class LayerActivations:
     inputs: torch.Tensor  # [N, T, D]
     outputs: torch.Tensor  # [N, T, D]
-    channel_rms: torch.Tensor  # [H * d]
+    channel_rms: torch.Tensor | None  # [H * d]; None when not asked for (channel_stats=False)
     heads: torch.Tensor | None = None  # [N, T, H * d]: the attention output before o_proj (store_heads=True)
     mean_distance: torch.Tensor | None = None  # [H]
     entropy: torch.Tensor | None = None  # [H]
@@ -64,13 +64,18 @@ class _Accumulator:
         self.stat_batches += 1
 
     def result(self) -> LayerActivations:
-        rms = (self.sq_sum / max(self.count, 1)).sqrt()
+        rms = None if self.sq_sum is None else (self.sq_sum / max(self.count, 1)).sqrt()
         stats = {}
         if self.stat_batches:
             n = self.stat_batches
             stats = {"mean_distance": self.dist / n, "entropy": self.ent / n, "sink_mass": self.sink / n}
-        heads = torch.cat(self.heads) if self.heads else None
-        return LayerActivations(torch.cat(self.inputs), torch.cat(self.outputs), rms, heads=heads, **stats)
+        heads = _joined(self.heads) if self.heads else None
+        return LayerActivations(_joined(self.inputs), _joined(self.outputs), rms, heads=heads, **stats)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat(parts)`, without the copy when there is one part (one batch, as in distillation's stage 1)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def attention_layers(model) -> list[torch.nn.Module]:
@@ -92,10 +97,13 @@ def collect_teacher_activations(
     store_dtype: torch.dtype = torch.float32,
     store_heads: bool = False,
     progress: bool = True,
+    channel_stats: bool = True,
 ) -> dict[int, LayerActivations]:
     """Run `teacher` over `windows` ([N, T] token ids) once and return each asked layer's activations.
 
-    Only the decoder runs, and only up to the last asked layer's attention: the rest could not change them."""
+    Only the decoder runs, and only up to the last asked layer's attention: the rest could not change them. With
+    `channel_stats=False` (distillation's stage 1, which needs only inputs and outputs) no `channel_rms` is
+    measured. Activations already in `store_dtype` on the CPU are kept as they are, not copied."""
     layers = sorted(set(layers))
     modules = attention_layers(teacher)
     acc = {i: _Accumulator() for i in layers}
@@ -123,10 +131,11 @@ def collect_teacher_activations(
 
     def o_hook(i):
         def hook(module, args):
-            x = args[0].detach().float()
-            sq = x.pow(2).flatten(0, -2).sum(0)
-            acc[i].sq_sum = sq if acc[i].sq_sum is None else acc[i].sq_sum + sq
-            acc[i].count += x.flatten(0, -2).shape[0]
+            if channel_stats:
+                x = args[0].detach().float()
+                sq = x.pow(2).flatten(0, -2).sum(0)
+                acc[i].sq_sum = sq if acc[i].sq_sum is None else acc[i].sq_sum + sq
+                acc[i].count += x.flatten(0, -2).shape[0]
             if store_heads:
                 acc[i].heads.append(args[0].detach().to(store_dtype).cpu())
 
@@ -139,7 +148,8 @@ def collect_teacher_activations(
         for i in layers:
             handles.append(modules[i].register_forward_pre_hook(pre_hook(i), with_kwargs=True))
             handles.append(modules[i].register_forward_hook(post_hook(i), with_kwargs=True))
-            handles.append(modules[i].o_proj.register_forward_pre_hook(o_hook(i)))
+            if channel_stats or store_heads:
+                handles.append(modules[i].o_proj.register_forward_pre_hook(o_hook(i)))
         device = next(teacher.parameters()).device
         for start in tqdm(range(0, len(windows), batch_size), desc="teacher activations", disable=not progress):
             ids = windows[start : start + batch_size].to(device)

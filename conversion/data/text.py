@@ -23,6 +23,7 @@ that the machine may be offline.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -332,6 +333,61 @@ def pack_blocks(texts, tokenizer, seq_len: int):
     return texts.map(tokenize_and_pack, **kwargs)
 
 
+#: the format of the tokenized-corpus cache (`cached_blocks`); a new number leaves every older entry unread
+TOKEN_CACHE_VERSION = 1
+
+
+def tokenizer_fingerprint(tokenizer) -> str | None:
+    """A hash of what decides a tokenizer's ids (its serialised fast tokenizer, class and EOS token), or None for
+    a tokenizer that cannot be serialised so (its blocks are then never cached)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    digest = hashlib.sha256(backend.to_str().encode())
+    digest.update(repr((type(tokenizer).__name__, tokenizer.eos_token_id)).encode())
+    return digest.hexdigest()
+
+
+def token_cache_dir() -> Path:
+    """Where `cached_blocks` keeps tokenized corpora: `tokenized/` in the assets folder (`assets.cache_dir`)."""
+    from .assets import cache_dir
+
+    return cache_dir() / "tokenized"
+
+
+def cached_blocks(texts, tokenizer, seq_len: int):
+    """`pack_blocks(texts, tokenizer, seq_len)`'s `input_ids` as an `[N, seq_len]` LongTensor, kept on disk
+    (`token_cache_dir()`, safetensors) under a hash of the texts, the tokenizer (`tokenizer_fingerprint`), `seq_len`
+    and `TOKEN_CACHE_VERSION`, so a later run over the same corpus skips the tokenizer; another corpus or tokenizer
+    gives another entry. An unreadable entry is made again."""
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, save
+
+    from ..saving import write_bytes_atomically
+
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    path = None
+    if fingerprint is not None:
+        digest = hashlib.sha256(f"{TOKEN_CACHE_VERSION}:{fingerprint}:{seq_len}:".encode())
+        for text in texts["text"]:
+            encoded = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else repr(text).encode()
+            digest.update(f"{len(encoded)}:".encode() + encoded)
+        path = token_cache_dir() / f"{digest.hexdigest()}.safetensors"
+    if path is not None and path.is_file():
+        try:
+            return load_file(path)["input_ids"].long()
+        except (OSError, KeyError, SafetensorError):
+            pass  # cut short or damaged: tokenize again and replace it
+    ids = torch.tensor(pack_blocks(texts, tokenizer, seq_len)["input_ids"][:], dtype=torch.long)  # [N, seq_len]
+    if path is not None:
+        try:  # token ids fit in int32: half the file
+            write_bytes_atomically(path, save({"input_ids": ids.to(torch.int32).contiguous()}))
+        except OSError as error:  # a read-only or full disk costs the next run a tokenization, nothing more
+            print(f"warning: could not cache the tokenized corpus in {path.parent} ({error})", file=sys.stderr)
+    return ids
+
+
 def document_position_ids(input_ids, eos_token_id: int):
     """Position ids of `[N, L]` packed blocks that restart at 0 after each `eos_token_id` and at each block start.
 
@@ -361,8 +417,13 @@ def training_blocks(options: DataOptions, tokenizer):
     if is_mixture(options.dataset):  # several sources, weights, or teacher-generated chat: rows with labels
         return mixed_rows(options, tokenizer)
     texts = load_texts(options.dataset, options.dataset_split, options.text_column, options.streaming)
-    blocks = pack_blocks(texts, tokenizer, options.seq_len)
     eos = tokenizer.eos_token_id if options.packing == "boundary" else None
+    if options.dataset.startswith("builtin:") and not options.streaming:
+        ids = cached_blocks(texts, tokenizer, options.seq_len)
+        if len(ids) == 0:
+            raise ValueError(f"{options.dataset}: not enough text for one block of {options.seq_len} tokens")
+        return ids if eos is None else {"input_ids": ids, "position_ids": document_position_ids(ids, eos)}
+    blocks = pack_blocks(texts, tokenizer, options.seq_len)
     if options.streaming:
         if eos is not None:
             blocks = blocks.map(lambda row: {"position_ids": document_position_ids(

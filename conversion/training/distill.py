@@ -76,6 +76,10 @@ class DistillOptions:
     stage2_new_params_lr: float = dataclasses.field(
         default=1e-3, metadata={"help": "learning rate of the new delta parameters in stage 2"}
     )
+    stage2_logit_chunk: int = dataclasses.field(
+        default=512, metadata={"help": "positions (over the batch) per chunk of stage 2's logits and KL; 0: the whole "
+                                       "[batch, seq_len, vocab] logits at once (the plain reference, more memory)"}
+    )
     stage3_tokens: int = dataclasses.field(
         default=65_536, metadata={"help": "token budget of long-context distillation (stage 3)"}
     )
@@ -139,6 +143,9 @@ def _check_options(options: DistillOptions, data: DataOptions, training: Trainin
     for name in ("stage1_tokens", "stage2_tokens", "stage3_tokens", "stage3_batch_size", "stage3_logit_chunk"):
         if getattr(options, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(options, name)}")
+    if options.stage2_logit_chunk < 0:
+        raise ValueError(f"--stage2_logit_chunk must be >= 0 (0 = the whole logits at once), "
+                         f"got {options.stage2_logit_chunk}")
     if options.stage3_seq_len < 2:
         raise ValueError(f"--stage3_seq_len must be at least 2, got {options.stage3_seq_len}")
     if options.stage3_packing not in PACKINGS:
@@ -310,7 +317,8 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
             return [{"params": lora_params, "lr": lr}, *trained]
 
         if 2 in stages:
-            objective = LogitDistillation(teacher, peft_model, options.temperature, options.ce_weight)
+            objective = LogitDistillation(teacher, peft_model, options.temperature, options.ce_weight,
+                                          options.stage2_logit_chunk or None)
             started = time.perf_counter()
             result = run_training(
                 objective, _answer_loss, groups(options.stage2_lr, options.stage2_new_params_lr), blocks, training,
@@ -324,6 +332,7 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
                                  "lr": options.stage2_lr, "new_params_lr": options.stage2_new_params_lr,
                                  "lora": lora.record(),
                                  "temperature": options.temperature, "ce_weight": options.ce_weight,
+                                 "logit_chunk": options.stage2_logit_chunk,
                                  "heldout_ppl": result.evaluations[-1]["heldout_ppl"] if result.evaluations else None,
                                  "crossdomain_ppl": _crossdomain_ppl(peft_model, crossdomain_windows)}
             on_main_process(_write_results, out, results)

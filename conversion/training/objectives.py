@@ -6,10 +6,10 @@
    is stored beyond the batch.
 2. Logit distillation: KL(teacher || student) at a temperature (optionally plus cross-entropy), LoRA (PEFT)
    on the copied projections and the small new parameters (gates, beta, decay, conv, norms) in full at
-   their own learning rate.
-3. Long-context distillation: stage 2's loss on long blocks (thousands of tokens), with the logits of both
-   models computed a chunk of positions at a time and recomputed in the backward pass, so no
-   `[batch, seq_len, vocab]` tensor is ever held whole.
+   their own learning rate. The logits of both models are made a chunk of positions at a time, each chunk's
+   KL gradient worked out from the softmaxes at once, so no `[batch, seq_len, vocab]` tensor is ever held whole
+   and no logits are made twice.
+3. Long-context distillation: stage 2's loss on long blocks (thousands of tokens).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from delta_attention.modeling.configuration_delta import delta_layer_indices as _delta_layer_indices
 
@@ -60,7 +59,7 @@ class AttentionTransfer(nn.Module):
         """`position_ids` (restarting per packed document) reach the teacher's forward and every delta layer."""
         with _forward_with(self.teacher.model, position_ids=position_ids):
             activations = collect_teacher_activations(
-                self.teacher, input_ids, self.layers, batch_size=len(input_ids), progress=False
+                self.teacher, input_ids, self.layers, batch_size=len(input_ids), progress=False, channel_stats=False
             )
         device = input_ids.device
         documents = _packed_documents(position_ids, len(input_ids))
@@ -123,13 +122,22 @@ def distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
 
 
 class LogitDistillation(nn.Module):
-    """Stage-2 objective as a module: KL(teacher || student) at `temperature`, plus `ce_weight` x cross-entropy."""
+    """Stage-2 objective as a module: KL(teacher || student) at `temperature`, plus `ce_weight` x cross-entropy.
 
-    def __init__(self, teacher: nn.Module, student: nn.Module, temperature: float = 1.0, ce_weight: float = 0.0):
+    With `chunk_tokens` (stage 2 of `distill` and stage 3), both models run their decoders once and the logits are
+    made `chunk_tokens` positions at a time (`chunked_distillation_loss`): only `[batch, seq_len, hidden]` hidden
+    states are kept, never `[batch, seq_len, vocab]` logits. Without it (None) the whole logits of both models are
+    made at once and scored by `distillation_kl`, the plain reference."""
+
+    def __init__(self, teacher: nn.Module, student: nn.Module, temperature: float = 1.0, ce_weight: float = 0.0,
+                 chunk_tokens: int | None = None):
         super().__init__()
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
+        if chunk_tokens is not None and chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.student, self.temperature, self.ce_weight = student, temperature, ce_weight
+        self.chunk_tokens = chunk_tokens
         object.__setattr__(self, "teacher", teacher)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
@@ -137,6 +145,8 @@ class LogitDistillation(nn.Module):
         """Teacher and student see the same `position_ids` (the same document boundaries when packed). With
         `labels` (chat rows: -100 outside the answers, as `data.chat.chat_rows` makes them) only the positions that
         predict a labelled token count, in the KL and the cross-entropy alike."""
+        if self.chunk_tokens is not None:
+            return self._chunked_forward(input_ids, position_ids, labels)
         with torch.no_grad():
             teacher_logits = self.teacher(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
         student_logits = self.student(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
@@ -154,71 +164,8 @@ class LogitDistillation(nn.Module):
             metrics["ce"] = ce.item()
         return loss, metrics
 
-
-def decoder_and_head(model) -> tuple[nn.Module, nn.Module]:
-    """A causal LM's decoder (giving the hidden states after the final norm) and its LM head; a PEFT model is
-    looked into (its LoRA layers sit inside the decoder and stay in use)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.get_decoder(), base.get_output_embeddings()
-
-
-def chunked_distillation_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, student_head: nn.Module,
-                              teacher_head: nn.Module, temperature: float, chunk_tokens: int,
-                              next_tokens: torch.Tensor | None = None,
-                              counted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`distillation_kl` of `head(hidden)` over the positions `counted` marks (every position when None) and, given
-    `next_tokens`, the student's mean cross-entropy against them, computed `chunk_tokens` positions at a time.
-
-    `student_hidden`, `teacher_hidden`: `[batch, seq_len, hidden]`; `next_tokens`: `[batch, seq_len]`, the token
-    each position predicts (`IGNORE_INDEX` where none is scored); `counted`: `[batch, seq_len]` booleans. Each
-    chunk's logits (`[batch, chunk, vocab]`) are made inside `torch.utils.checkpoint` and made again in the backward
-    pass, so at most one chunk of logits is alive; the teacher's head runs without gradients. Returns `(kl, ce)`,
-    `ce` None without `next_tokens`. The plain reference is `distillation_kl` of the whole logits."""
-    batch, seq_len = student_hidden.shape[:2]
-
-    def chunk_sums(student_chunk, teacher_chunk, target_chunk, counted_chunk):
-        with torch.no_grad():
-            teacher_logits = teacher_head(teacher_chunk)  # [batch, chunk, vocab]
-        student_logits = student_head(student_chunk)  # [batch, chunk, vocab]
-        kl_student, kl_teacher = student_logits, teacher_logits
-        if counted_chunk is not None:
-            kl_student, kl_teacher = student_logits[counted_chunk], teacher_logits[counted_chunk]  # [n, vocab]
-        kl = _summed_kl(kl_student, kl_teacher, temperature)
-        if target_chunk is None:
-            return kl, kl.new_zeros(())
-        ce = F.cross_entropy(student_logits.float().flatten(0, 1), target_chunk.flatten(), ignore_index=IGNORE_INDEX,
-                             reduction="sum")
-        return kl, ce
-
-    kl_sum = ce_sum = student_hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, seq_len, chunk_tokens):
-        part = slice(start, min(start + chunk_tokens, seq_len))
-        kl, ce = checkpoint(chunk_sums, student_hidden[:, part], teacher_hidden[:, part],
-                            None if next_tokens is None else next_tokens[:, part],
-                            None if counted is None else counted[:, part], use_reentrant=False)
-        kl_sum, ce_sum = kl_sum + kl, ce_sum + ce
-    positions = batch * seq_len if counted is None else int(counted.sum())
-    kl = kl_sum / max(positions, 1) * temperature**2
-    if next_tokens is None:
-        return kl, None
-    return kl, ce_sum / max(int((next_tokens != IGNORE_INDEX).sum()), 1)
-
-
-class ChunkedLogitDistillation(LogitDistillation):
-    """Stage-3 objective (long blocks): `LogitDistillation`'s loss with both models' logits made `chunk_tokens`
-    positions at a time (`chunked_distillation_loss`). Teacher and student run their decoders once over the
-    whole block; only `[batch, seq_len, hidden]` hidden states are kept, never `[batch, seq_len, vocab]` logits."""
-
-    def __init__(self, teacher: nn.Module, student: nn.Module, temperature: float = 1.0, ce_weight: float = 0.0,
-                 chunk_tokens: int = 512):
-        super().__init__(teacher, student, temperature, ce_weight)
-        if chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-        self.chunk_tokens = chunk_tokens
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-        """As `LogitDistillation.forward` (the same positions count, with or without `labels`)."""
+    def _chunked_forward(self, input_ids, position_ids, labels) -> tuple[torch.Tensor, dict]:
+        """`forward` with the logits made `chunk_tokens` positions at a time (the same positions count)."""
         teacher_decoder, teacher_head = decoder_and_head(self.teacher)
         student_decoder, student_head = decoder_and_head(self.student)
         with torch.no_grad():
@@ -235,6 +182,138 @@ class ChunkedLogitDistillation(LogitDistillation):
         if ce is None:
             return kl, {"kl": kl.item()}
         return kl + self.ce_weight * ce, {"kl": kl.item(), "ce": ce.item()}
+
+
+def decoder_and_head(model) -> tuple[nn.Module, nn.Module]:
+    """A causal LM's decoder (giving the hidden states after the final norm) and its LM head; a PEFT model is
+    looked into (its LoRA layers sit inside the decoder and stay in use)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder(), base.get_output_embeddings()
+
+
+def _kl_rows_and_gradient(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                          temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row KL(teacher || student) of the softened distributions (`[n]`) and its gradient with respect to the
+    student's logits, `(softmax(s / T) - softmax(t / T)) / T` (`[n, vocab]`), both float32; `_summed_kl` is the
+    reference of the sum."""
+    softened = (lambda logits: logits.float()) if temperature == 1 else (lambda logits: logits.float() / temperature)
+    student_logp = F.log_softmax(softened(student_logits), dim=-1)  # [n, vocab]: a new tensor, changed in place below
+    teacher_logp = F.log_softmax(softened(teacher_logits), dim=-1)  # [n, vocab]
+    teacher_p = teacher_logp.exp()
+    rows = torch.linalg.vecdot(teacher_p, teacher_logp - student_logp)  # [n]
+    gradient = student_logp.exp_().sub_(teacher_p)  # [n, vocab]
+    return rows, gradient if temperature == 1 else gradient.div_(temperature)
+
+
+def _ce_rows_and_gradient(student_logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row cross-entropy against `targets` (`[n]`, 0 where the target is `IGNORE_INDEX`) and its gradient with
+    respect to the logits, `softmax(s) - onehot(target)` (zero rows where ignored)."""
+    scored = targets != IGNORE_INDEX  # [n]
+    logp = F.log_softmax(student_logits.float(), dim=-1)  # [n, vocab]
+    safe_targets = targets.clamp(min=0)[:, None]  # [n, 1]
+    rows = -logp.gather(-1, safe_targets).squeeze(-1) * scored
+    gradient = logp.exp_()
+    gradient.scatter_add_(-1, safe_targets, -torch.ones_like(safe_targets, dtype=gradient.dtype))
+    return rows, gradient.mul_(scored[:, None])
+
+
+class _HeadLossesByChunk(torch.autograd.Function):
+    """The summed KL and cross-entropy of `student_head(student_rows)` against `teacher_head(teacher_rows)`, made
+    `chunk` rows at a time, with their gradients (with respect to the student's rows and to the head's trainable
+    parameters) worked out chunk by chunk in the forward pass from the softmaxes, so that no logits are kept for the
+    backward pass and none are made again. The backward pass only scales the stored gradients."""
+
+    @staticmethod
+    def forward(ctx, student_rows, teacher_rows, kl_rows, targets, student_head, teacher_head, temperature, chunk,
+                *head_params):
+        # student_rows, teacher_rows: [n, hidden]; kl_rows: [n] booleans or None; targets: [n] or None
+        kl_sum = ce_sum = student_rows.new_zeros((), dtype=torch.float32)
+        kl_grad_rows, ce_grad_rows = torch.zeros_like(student_rows), torch.zeros_like(student_rows)
+        kl_grad_params = [torch.zeros_like(p) for p in head_params]
+        ce_grad_params = [torch.zeros_like(p) for p in head_params]
+        for start in range(0, len(student_rows), chunk):
+            part = slice(start, start + chunk)
+            rows = student_rows[part].detach().requires_grad_()
+            with torch.enable_grad():
+                student_logits = student_head(rows)  # [chunk, vocab]
+            with torch.no_grad():
+                teacher_logits = teacher_head(teacher_rows[part])  # [chunk, vocab]
+            kl, kl_grad = _kl_rows_and_gradient(student_logits.detach(), teacher_logits, temperature)
+            if kl_rows is not None:
+                kl, kl_grad = kl * kl_rows[part], kl_grad.mul_(kl_rows[part, None])
+            del teacher_logits
+            kl_sum = kl_sum + kl.sum()
+            inputs = (rows, *head_params)
+            grads = torch.autograd.grad(student_logits, inputs, kl_grad.to(student_logits.dtype),
+                                        retain_graph=targets is not None)
+            del kl_grad
+            kl_grad_rows[part] = grads[0]
+            for total, grad in zip(kl_grad_params, grads[1:]):
+                total += grad
+            if targets is not None:
+                ce, ce_grad = _ce_rows_and_gradient(student_logits.detach(), targets[part])
+                ce_sum = ce_sum + ce.sum()
+                grads = torch.autograd.grad(student_logits, inputs, ce_grad.to(student_logits.dtype))
+                ce_grad_rows[part] = grads[0]
+                for total, grad in zip(ce_grad_params, grads[1:]):
+                    total += grad
+        ctx.save_for_backward(kl_grad_rows, ce_grad_rows, *kl_grad_params, *ce_grad_params)
+        ctx.params = len(head_params)
+        return kl_sum, ce_sum
+
+    @staticmethod
+    def backward(ctx, kl_scale, ce_scale):
+        kl_grad_rows, ce_grad_rows, *param_grads = ctx.saved_tensors
+        kl_params, ce_params = param_grads[: ctx.params], param_grads[ctx.params :]
+        rows = kl_grad_rows * kl_scale + ce_grad_rows * ce_scale
+        params = [kl * kl_scale + ce * ce_scale for kl, ce in zip(kl_params, ce_params)]
+        return rows, None, None, None, None, None, None, None, *params
+
+
+def chunked_distillation_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, student_head: nn.Module,
+                              teacher_head: nn.Module, temperature: float, chunk_tokens: int,
+                              next_tokens: torch.Tensor | None = None,
+                              counted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`distillation_kl` of `head(hidden)` over the positions `counted` marks (every position when None) and, given
+    `next_tokens`, the student's mean cross-entropy against them, computed `chunk_tokens` positions at a time.
+
+    `student_hidden`, `teacher_hidden`: `[batch, seq_len, hidden]`; `next_tokens`: `[batch, seq_len]`, the token
+    each position predicts (`IGNORE_INDEX` where none is scored); `counted`: `[batch, seq_len]` booleans. Only the
+    positions scored by either term are put through the heads, `chunk_tokens` of them (over the whole batch) at a
+    time: each chunk's logits (`[chunk, vocab]`) give the loss and, from the softmaxes, its gradient straight away
+    (`_HeadLossesByChunk`), so at most one chunk of logits is alive and none is made twice; the teacher's head runs
+    without gradients. Returns `(kl, ce)`, `ce` None without `next_tokens`. The plain reference is `distillation_kl`
+    of the whole logits."""
+    scored = None if next_tokens is None else next_tokens != IGNORE_INDEX  # [batch, seq_len]
+    kept = counted if scored is None or counted is None else counted | scored  # [batch, seq_len] or None
+    student_rows, teacher_rows = student_hidden.flatten(0, 1), teacher_hidden.flatten(0, 1)  # [batch * seq_len, D]
+    kl_rows = targets = None
+    if next_tokens is not None:
+        targets = next_tokens.flatten()
+    if kept is not None:
+        kept = kept.flatten()
+        student_rows, teacher_rows = student_rows[kept], teacher_rows[kept]  # [n, hidden]
+        kl_rows = counted.flatten()[kept] if scored is not None else None  # [n]: with no CE every kept row counts
+        targets = None if targets is None else targets[kept]
+    head_params = [p for p in student_head.parameters() if p.requires_grad]
+    kl_sum, ce_sum = _HeadLossesByChunk.apply(student_rows, teacher_rows, kl_rows, targets, student_head,
+                                              teacher_head, temperature, chunk_tokens, *head_params)
+    positions = student_hidden.shape[:2].numel() if counted is None else int(counted.sum())
+    kl = kl_sum / max(positions, 1) * temperature**2
+    if next_tokens is None:
+        return kl, None
+    return kl, ce_sum / max(int(scored.sum()), 1)
+
+
+class ChunkedLogitDistillation(LogitDistillation):
+    """Stage-3 objective (long blocks): `LogitDistillation` with its logits always made `chunk_tokens` positions at a
+    time (`chunked_distillation_loss`)."""
+
+    def __init__(self, teacher: nn.Module, student: nn.Module, temperature: float = 1.0, ce_weight: float = 0.0,
+                 chunk_tokens: int = 512):
+        if chunk_tokens is None or chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        super().__init__(teacher, student, temperature, ce_weight, chunk_tokens)
 
 
 def add_lora(student, config):
