@@ -121,12 +121,14 @@ class FusedLinear:
     @staticmethod
     def fits(linears: list[nn.Module]) -> bool:
         """Whether `linears` can be fused: plain `nn.Linear`s (not PEFT or quantized wrappers, no accelerate hooks)
-        with real weights of one dtype and device."""
+        with whole weights (not meta, not sharded away as ZeRO-3 does outside a layer's own forward) of one dtype
+        and device."""
         if not all(FusedLinear._plain(linear) for linear in linears):
             return False
         weights = [linear.weight for linear in linears]
         return weights[0].device.type != "meta" and all(
-            w.dtype == weights[0].dtype and w.device == weights[0].device for w in weights
+            w.dtype == weights[0].dtype and w.device == weights[0].device
+            and w.shape == (linear.out_features, linear.in_features) for w, linear in zip(weights, linears)
         )
 
     @staticmethod

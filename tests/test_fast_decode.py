@@ -186,11 +186,17 @@ def test_fused_linear_refuses_what_it_cannot_fuse():
     assert fused.is_current(plain)
     assert not fused.is_current([plain[0], torch.nn.Linear(8, 3, bias=False)])
     assert not FusedLinear.fits([plain[0], plain[1].to(torch.bfloat16)])
+    sharded = torch.nn.Linear(8, 3)
+    sharded.weight = torch.nn.Parameter(torch.empty(0))  # a weight held elsewhere (ZeRO-3 outside its forward)
+    assert not FusedLinear.fits([plain[0], sharded])
 
     class Wrapped(torch.nn.Linear):
         pass
 
     assert not FusedLinear.fits([plain[0], Wrapped(8, 3)])
+    wrapped = Wrapped(8, 3, bias=False)
+    wrapped.weight = plain[1].weight
+    assert not fused.is_current([plain[0], wrapped])  # the same tensors behind a wrapper
 
 
 def test_a_checkpoint_saved_from_a_fused_model_loads_unchanged(tmp_path):
