@@ -207,7 +207,8 @@ def test_a_checkpoint_saved_from_a_fused_model_loads_unchanged(tmp_path):
     assert fused_count(model) == len(model.config.delta_layers) == 2
     assert set(model.state_dict()) == set(never_fused.state_dict())
     model.save_pretrained(tmp_path / "fused")
-    saved, plain = load_file(tmp_path / "fused" / "model.safetensors"), load_file(tmp_path / "plain" / "model.safetensors")
+    saved = load_file(tmp_path / "fused" / "model.safetensors")
+    plain = load_file(tmp_path / "plain" / "model.safetensors")
     assert set(saved) == set(plain) and all(torch.equal(saved[name], plain[name]) for name in saved)
 
     again = DeltaForCausalLM.from_pretrained(tmp_path / "fused").eval()
