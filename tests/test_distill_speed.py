@@ -13,7 +13,9 @@ from conftest import tiny_delta_model, tiny_llama_teacher, tiny_tokenizer
 from delta_attention.conversion.converter.attention_transfer import collect_teacher_activations
 from delta_attention.conversion.data.chat import IGNORE_INDEX
 from delta_attention.conversion.data.text import DataOptions, pack_blocks, training_blocks
+from delta_attention.conversion.training.distill import run_distill
 from delta_attention.conversion.training.objectives import LogitDistillation
+from test_distill import folders, options  # noqa: F401  (the tiny teacher, its conversion and the text files)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 2.0])
@@ -110,3 +112,10 @@ def test_a_tokenized_builtin_corpus_is_cached_and_made_again_when_corpus_or_toke
     assert torch.equal(training_blocks(options, tokenizer)["input_ids"], changed) and len(packed) == 4
     assert torch.equal(training_blocks(options, tokenizer)["input_ids"], changed) and len(packed) == 4
     assert not list(cache.glob(".*partial"))
+
+
+def test_a_negative_stage_2_logit_chunk_fails_with_one_line(folders, tmp_path):  # noqa: F811
+    with pytest.raises(ValueError) as error:
+        run_distill(*options(folders, tmp_path / "run", stage2_logit_chunk=-1))
+    assert str(error.value) == "--stage2_logit_chunk must be >= 0 (0 = the whole logits at once), got -1"
+    assert not (tmp_path / "run").exists()

@@ -77,8 +77,10 @@ class DistillOptions:
         default=1e-3, metadata={"help": "learning rate of the new delta parameters in stage 2"}
     )
     stage2_logit_chunk: int = dataclasses.field(
-        default=512, metadata={"help": "positions (over the batch) per chunk of stage 2's logits and KL; 0: the whole "
-                                       "[batch, seq_len, vocab] logits at once (the plain reference, more memory)"}
+        default=128, metadata={"help": "positions (over the batch) per chunk of stage 2's logits and KL (128: each "
+                                       "chunk's float32 tensors stay small enough to be reused rather than mapped "
+                                       "afresh); 0: the whole [batch, seq_len, vocab] logits at once (the plain "
+                                       "reference, more memory)"}
     )
     stage3_tokens: int = dataclasses.field(
         default=65_536, metadata={"help": "token budget of long-context distillation (stage 3)"}

@@ -197,10 +197,11 @@ def _kl_rows_and_gradient(student_logits: torch.Tensor, teacher_logits: torch.Te
     student's logits, `(softmax(s / T) - softmax(t / T)) / T` (`[n, vocab]`), both float32; `_summed_kl` is the
     reference of the sum."""
     softened = (lambda logits: logits.float()) if temperature == 1 else (lambda logits: logits.float() / temperature)
-    student_logp = F.log_softmax(softened(student_logits), dim=-1)  # [n, vocab]: a new tensor, changed in place below
-    teacher_logp = F.log_softmax(softened(teacher_logits), dim=-1)  # [n, vocab]
+    # new [n, vocab] tensors, changed in place below: every chunk allocates three, not five
+    student_logp = F.log_softmax(softened(student_logits), dim=-1)
+    teacher_logp = F.log_softmax(softened(teacher_logits), dim=-1)
     teacher_p = teacher_logp.exp()
-    rows = torch.linalg.vecdot(teacher_p, teacher_logp - student_logp)  # [n]
+    rows = teacher_logp.sub_(student_logp).mul_(teacher_p).sum(-1)  # [n]: sum p_t (log p_t - log p_s)
     gradient = student_logp.exp_().sub_(teacher_p)  # [n, vocab]
     return rows, gradient if temperature == 1 else gradient.div_(temperature)
 
