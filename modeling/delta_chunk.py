@@ -568,6 +568,12 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, beta, g, initial_state, scale, chunk_size, channel):
+        # the kernel chooses its own dtypes (`_prepare`); autocast (e.g. bf16 training) would change them under it
+        with torch.autocast(q.device.type, enabled=False):
+            return ChunkDeltaRuleFunction._forward(ctx, q, k, v, beta, g, initial_state, scale, chunk_size, channel)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, beta, g, initial_state, scale, chunk_size, channel):
         batch, seq_len, heads, key_dim = k.shape  # heads: KV heads
         value_dim = v.shape[-1]
         qk, v_c, beta_c, log_decay = _prepare(q, k, v, beta, g, chunk_size)
@@ -584,6 +590,11 @@ class ChunkDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_final):
+        with torch.autocast(grad_out.device.type, enabled=False):  # as in `forward` (backward may run under autocast)
+            return ChunkDeltaRuleFunction._backward(ctx, grad_out, grad_final)
+
+    @staticmethod
+    def _backward(ctx, grad_out, grad_final):
         qk, v_c, beta_c, log_decay, states, v_new = ctx.saved_tensors
         seq_len, scale, q_dtype, k_dtype, v_dtype, beta_dtype, g_dtype, has_state, channel = ctx.meta
         batch, chunk, kv_heads, groups = qk.shape[1], qk.shape[-2], qk.shape[2], qk.shape[3] - 1

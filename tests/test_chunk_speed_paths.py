@@ -162,3 +162,22 @@ def test_bf16_inputs_without_native_bf16_are_the_float32_kernel_rounded(monkeypa
     for got, want, leaf in zip(grads, want_grads, (q, k, v, beta, g)):
         assert got.dtype == leaf.dtype
         assert (got.float() - want).norm() <= 1e-2 * want.norm()
+
+
+@pytest.mark.parametrize("gate", ["scalar", "channel"])
+def test_the_kernel_keeps_its_own_dtypes_under_autocast(gate):
+    """bf16 autocast (distillation's default mixed precision) reaches the kernel's forward and backward; the kernel
+    chooses its dtypes from its inputs, so float32 inputs give the float32 results, gradients included (autocast
+    used to turn some of its in-place matmuls bf16 and others not: "Input dtypes must be the same")."""
+    inputs = delta_rule_inputs(gate, seq_len=130, decay=0.5)
+
+    def run(autocast: bool):
+        leaves = [None if t is None else t.clone().requires_grad_() for t in inputs]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out, final = delta_chunk.fast_chunk_delta_rule(*leaves)
+            (out.square().sum() + final.sum()).backward()
+        return [out, final, *[t.grad for t in leaves if t is not None]]
+
+    for plain, autocast in zip(run(False), run(True)):
+        assert autocast.dtype == plain.dtype == torch.float32
+        torch.testing.assert_close(autocast, plain, rtol=0, atol=0)
