@@ -199,11 +199,12 @@ class DeltaAttention(nn.Module):
     # `set_decay_at_rest` / `set_beta_at_rest` clamp their inputs to these ranges
     DECAY_AT_REST_RANGE = (0.5, 0.9999)
     BETA_AT_REST_RANGE = (1e-3, 1 - 1e-3)
-    # inference without autograd (eval mode, no grad) reads all input projections with one matmul (`FusedLinear`)
-    # and decodes one token on CPU with `_decode_step`; False (on the class or a layer) keeps the reference path.
-    # `fuse_projections = False` keeps the fast decode step but reads the projections one by one (no fused copy)
+    # inference without autograd (eval mode, no grad) decodes one token on CPU with `_decode_step`; False (on the
+    # class or a layer) keeps the reference path. `fuse_projections = True` also reads all input projections with
+    # one matmul (`FusedLinear`), at the cost of a copy of their weights; off by default: it measured no faster
+    # (docs/design.md, "Fast inference path")
     fast_inference = True
-    fuse_projections = True
+    fuse_projections = False
 
     def __init__(self, config: DeltaConfig, layer_idx: int):
         super().__init__()

@@ -15,6 +15,7 @@ from delta_attention import DeltaForCausalLM
 from delta_attention.modeling.modeling_delta import DeltaAttention, FusedLinear
 from isolated import load_isolated
 
+CLASS_DEFAULT_FUSE = DeltaAttention.fuse_projections  # read before any fixture changes it
 FLOAT32_ATOL = 1e-5
 BF16_ATOL = 0.05
 
@@ -26,6 +27,13 @@ CONFIGS = {
     "no output gate, qk norm": dict(linear_output_gate=False, use_qk_norm=True),
     "hybrid": dict(num_hidden_layers=4, layer_types=HYBRID_LAYERS, sliding_window=6),
 }
+
+
+@pytest.fixture(autouse=True)
+def fused_projections(monkeypatch):
+    """The fused input projection is opt-in (`DeltaAttention.fuse_projections`); these tests check it, so it is on
+    unless a test turns it off."""
+    monkeypatch.setattr(DeltaAttention, "fuse_projections", True)
 
 
 @pytest.fixture
@@ -87,6 +95,15 @@ def test_fast_decode_without_fused_projections(monkeypatch, decode_steps):
     assert len(decode_steps) == 6 * 3 and fused_count(model) == 0  # the fast step, without a fused copy
     assert (unfused - fused).abs().max() <= FLOAT32_ATOL
     assert (unfused - full).abs().max() <= FLOAT32_ATOL
+
+
+def test_the_fused_copy_is_opt_in(monkeypatch):
+    """By default decoding builds no fused copy of the weights (it costs their size again and measured no faster)."""
+    assert CLASS_DEFAULT_FUSE is False
+    monkeypatch.setattr(DeltaAttention, "fuse_projections", CLASS_DEFAULT_FUSE)
+    model = tiny_delta_model()
+    prefill_then_decode(model, torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(2)), 2)
+    assert fused_count(model) == 0
 
 
 @pytest.mark.parametrize("config", ["scalar gate", "channel gate", "GQA-shared state"])
@@ -217,6 +234,6 @@ def test_a_checkpoint_saved_from_a_fused_model_loads_unchanged(tmp_path):
         logits = model(torch.tensor(input_ids)).logits
         assert torch.equal(again(torch.tensor(input_ids)).logits, logits)
     out = load_isolated(tmp_path / "fused", input_ids, tmp_path)  # transformers' remote-code path
-    assert torch.equal(out["logits"], logits)
+    assert (out["logits"] - logits).abs().max() <= FLOAT32_ATOL  # there, the default: no fused copy
     assert torch.equal(out["generated"], model.generate(torch.tensor(input_ids)[:1, :6], max_new_tokens=8,
                                                         do_sample=False))
