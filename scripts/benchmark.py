@@ -159,6 +159,6 @@ def _run(options: Options, parts: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from .cli import parse_options
+    from delta_attention.scripts.cli import main
 
-    sys.exit(run(parse_options(Options, sys.argv[1:], prog="python -m delta_attention.scripts.benchmark")))
+    sys.exit(main(["benchmark", *sys.argv[1:]]))

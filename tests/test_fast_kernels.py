@@ -254,6 +254,22 @@ def test_fla_is_not_used_on_cpu():
     assert not delta_fla.fla_available(q)
 
 
+def test_benchmark_runs_as_a_module(tmp_path):
+    """`python -m delta_attention.scripts.benchmark` takes the flags of `delta-attention benchmark` (it handed `run`
+    the parsed tuple instead of the options, and failed before measuring anything)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "delta_attention.scripts.benchmark", "--smoke", "--parts", "decode",
+               "--output_dir", str(tmp_path)]
+    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((tmp_path / "benchmark.json").read_text())["decode"]
+
+
 def test_benchmark_pipeline_runs_end_to_end(tmp_path):
     """`delta-attention benchmark --smoke`: tiny models and sizes through the parts, table, JSON and plot. (The
     long-prompt part runs each length in a spawned process; here its worker runs in this one, to stay fast.)"""
