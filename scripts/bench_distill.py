@@ -126,25 +126,26 @@ def run(options: BenchDistillOptions) -> int:
 
 
 def distill_in_budget(folder: Path, converted: Path, teacher: str, data, training, options: BenchDistillOptions,
-                      **distill_options) -> dict:
+                      lora=None, **distill_options) -> dict:
     """Distill `converted` from `teacher` within `options.minutes_per_model` (or the given token budgets).
 
-    A few probe steps of each stage give its tokens/s, which turn the time budget into token budgets; the run
-    writes under `folder/run` and evaluates on the held-out text along the way (`distill_options` are further
-    `DistillOptions` fields of that run). Returns `run_distill`'s results with the wall time, the probed speeds
-    and the held-out perplexity curve against tokens seen."""
+    A few probe steps of each stage give its tokens/s, which turn the time budget into token budgets (no probes
+    when both token budgets are given); the run writes under `folder/run` and evaluates on the held-out text along
+    the way (`lora`, a `LoraOptions`, goes to the probes and the run; `distill_options`, further `DistillOptions`
+    fields, to the run). Returns `run_distill`'s results with the wall time, the probed speeds (empty without probes) and
+    the held-out perplexity curve against tokens seen."""
     from delta_attention.conversion.training.distill import DistillOptions, run_distill
     from delta_attention.conversion.training.metrics import read_metrics
 
     step_tokens = options.batch_size * options.seq_len
     speeds = {}
-    for stage in (1, 2):
+    for stage in () if options.stage1_tokens and options.stage2_tokens else (1, 2):
         probe = folder / f"probe{stage}"
         tokens = (options.probe_steps + 1) * step_tokens
         started = time.perf_counter()
         run_distill(DistillOptions(student=str(converted), teacher=teacher, output_dir=str(probe), overwrite=True,
                                    stages=str(stage), stage1_tokens=tokens, stage2_tokens=tokens, eval_tokens=0),
-                    data, training)
+                    data, training, lora)
         speeds[stage] = read_metrics(probe / f"stage{stage}" / "metrics.jsonl")[-1]["tokens_per_s"]
         elapsed = time.perf_counter() - started
         print(f"{folder.name} stage {stage}: {speeds[stage]:.0f} tokens/s (probe {elapsed:.0f} s)")
@@ -159,7 +160,7 @@ def distill_in_budget(folder: Path, converted: Path, teacher: str, data, trainin
                              eval_tokens=options.eval_tokens, **distill_options)
     run_training_options = dataclasses.replace(training)
     run_training_options.eval_every_tokens = max(step_tokens, min(stage1_tokens, stage2_tokens) // options.evaluations)
-    results = run_distill(distill, data, run_training_options)
+    results = run_distill(distill, data, run_training_options, lora)
     results["wall_seconds"] = time.perf_counter() - started
     results["probe_tokens_per_s"] = speeds
     curve = [{"stage": 0, "tokens": 0, "heldout_ppl": results["converted_ppl"]}]

@@ -22,10 +22,7 @@ flags. A finished variant keeps its result in `variants/NAME/result.json` and is
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
-import importlib
 import json
 import math
 import sys
@@ -263,24 +260,10 @@ def run_variant(folder: Path, converted: Path, teacher: str, options: SweepRecip
     distill = {k: v for k, v in overrides.items() if k not in lora_fields and k not in RUN_KEYS}
     lora = LoraOptions(**{k: v for k, v in overrides.items() if k in lora_fields})
     training = TrainingOptions(batch_size=options.batch_size, mixed_precision=options.mixed_precision)
-    with _lora_of_runs(lora):
-        results = distill_in_budget(folder, converted, teacher, _data(options, overrides), training,
-                                    _budget(options, overrides), eval_dataset=options.eval_dataset,
-                                    crossdomain_dataset=options.crossdomain_dataset, **distill)
+    results = distill_in_budget(folder, converted, teacher, _data(options, overrides), training,
+                                _budget(options, overrides), lora=lora, eval_dataset=options.eval_dataset,
+                                crossdomain_dataset=options.crossdomain_dataset, **distill)
     return {"overrides": overrides, "scores": scores(results), "results": results}
-
-
-@contextlib.contextmanager
-def _lora_of_runs(lora):
-    """Within this block every `run_distill` call (those of `distill_in_budget`, its speed probes included) trains
-    stage 2 with the LoRA options `lora`: `distill_in_budget` passes on `distill` options only."""
-    distill = importlib.import_module("delta_attention.conversion.training.distill")
-    original = distill.run_distill
-    distill.run_distill = functools.partial(original, lora=lora)
-    try:
-        yield
-    finally:
-        distill.run_distill = original
 
 
 def run(options: SweepRecipeOptions) -> int:
