@@ -237,3 +237,41 @@ def test_a_checkpoint_saved_from_a_fused_model_loads_unchanged(tmp_path):
     assert (out["logits"] - logits).abs().max() <= FLOAT32_ATOL  # there, the default: no fused copy
     assert torch.equal(out["generated"], model.generate(torch.tensor(input_ids)[:1, :6], max_new_tokens=8,
                                                         do_sample=False))
+
+
+@pytest.mark.parametrize("config", ["scalar gate", "channel gate", "GQA-shared state", "hybrid"])
+def test_short_blocks_take_the_recurrent_loop_and_equal_the_chunked_kernel(config, monkeypatch):
+    """A block of a few tokens on a cache (a speculative verification) runs the recurrent loop at inference, equal
+    to the chunked kernel's result; with autograd, and beyond `SHORT_BLOCK_TOKENS`, the chunked kernel runs."""
+    import delta_attention.modeling.modeling_delta as modeling
+
+    chunk_calls = []
+    chunk = modeling.chunk_delta_rule
+
+    def counted_chunk(query, *args, **kwargs):
+        chunk_calls.append(query.shape[1])
+        return chunk(query, *args, **kwargs)
+
+    monkeypatch.setattr(modeling, "chunk_delta_rule", counted_chunk)
+    model = tiny_delta_model(**CONFIGS[config])
+    ids = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(5))
+    delta_layers = len(model.config.delta_layers)
+
+    def run(short_block_tokens):
+        monkeypatch.setattr(DeltaAttention, "SHORT_BLOCK_TOKENS", short_block_tokens)
+        chunk_calls.clear()
+        with torch.no_grad():
+            cache = model(ids[:, :30], use_cache=True).cache  # 30 tokens: the chunked kernel
+            logits = model(ids[:, 30:], cache=cache).logits  # a block of 10
+        return logits, cache, list(chunk_calls)
+
+    short, short_cache, short_calls = run(16)
+    chunked, chunked_cache, chunked_calls = run(0)
+    assert short_calls == [30] * delta_layers and chunked_calls == [30] * delta_layers + [10] * delta_layers
+    assert (short - chunked).abs().max() <= FLOAT32_ATOL
+    for got, want in zip(states(short_cache), states(chunked_cache), strict=True):
+        assert (got - want).abs().max() <= FLOAT32_ATOL
+    monkeypatch.setattr(DeltaAttention, "SHORT_BLOCK_TOKENS", 16)
+    chunk_calls.clear()
+    model(ids[:, :10]).logits.sum().backward()  # training: the chunked kernel, whatever the length
+    assert chunk_calls == [10] * delta_layers
