@@ -8,7 +8,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from .output_folder import make_private_folder_public, sigterm_raises, swap_in
+from .output_folder import make_private_folder_public, sigterm_raises, swap_in, user_umask
 
 
 def atomic_save(save: Callable[[Path], object], folder: str | Path) -> Path:
@@ -32,27 +32,22 @@ def atomic_save(save: Callable[[Path], object], folder: str | Path) -> Path:
     return folder
 
 
-
 def write_text_atomically(path: str | Path, text: str) -> Path:
-    """Write `text` to `path` through a hidden sibling (`.NAME.partial`) renamed into place once written, so a
-    reader never sees half a file."""
-    path = Path(path)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(text)
-    os.replace(partial, path)
-    return path
+    """`write_bytes_atomically` of `text` in UTF-8."""
+    return write_bytes_atomically(path, text.encode("utf-8"))
 
 
 def write_bytes_atomically(path: str | Path, data: bytes) -> Path:
     """Write `data` to `path` through a hidden sibling of a name of its own (`.NAME.XXXX.partial`) renamed into
     place once written: a reader never sees half a file, and processes writing the same file at once (data
-    parallel workers) never write into each other's."""
+    parallel workers) never write into each other's. The file gets the permissions of the user's umask."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, partial = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
     try:
         with os.fdopen(handle, "wb") as file:
             file.write(data)
+        os.chmod(partial, 0o666 & ~user_umask())  # mkstemp makes 0600 files
         os.replace(partial, path)
     except BaseException:
         Path(partial).unlink(missing_ok=True)

@@ -26,20 +26,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from ..output_folder import user_umask
+
+
 LATEST = "latest"
 FILES = ("trainable.safetensors", "optimizer.safetensors", "optimizer.json", "state.json")
 _STEP_NAME = re.compile(r"step-(\d+)")
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file(tensors, path)
-    os.chmod(path, 0o666 & ~_umask())  # safetensors writes 0600 files; give them the user's umask
+    os.chmod(path, 0o666 & ~user_umask())  # safetensors writes 0600 files; give them the user's umask
 
 
 def _optimizer_to_files(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
