@@ -62,19 +62,16 @@ class DeltaLinearAttentionLayer(LinearAttentionLayer):
     ) -> torch.Tensor:
         """Write the state after `new_tokens` more tokens (in place, as transformers does) and count them."""
         states = super().update_recurrent_state(recurrent_states, state_idx, **kwargs)
+        self.count_updated_in_place(new_tokens, state_idx)
+        return states
+
+    def count_updated_in_place(self, new_tokens: int, state_idx: int = 0) -> None:
+        """`update_recurrent_state` for a state the caller has already updated in place, in the cache's own buffer
+        (the model's fast decode step): count the tokens, without a copy."""
         self.has_previous_state[state_idx] = True
         if state_idx == 0:
             self.seen_tokens += new_tokens
         if not self.record_past:  # recording was switched off (as `generate` does when it returns the cache)
-            self.recorded = None
-        return states
-
-    def count_updated_in_place(self, new_tokens: int) -> None:
-        """`update_recurrent_state` for a state the caller has already updated in place, in the cache's own buffer
-        (the model's fast decode step): count the tokens, without a copy."""
-        self.has_previous_state[0] = True
-        self.seen_tokens += new_tokens
-        if not self.record_past:
             self.recorded = None
 
     def replace_conv_state(self, window: torch.Tensor, state_idx: int = 0) -> None:
