@@ -105,6 +105,11 @@ def _fill(value, options: SweepRecipeOptions):
     return value.format(dataset=options.dataset, generated=options.generated, keep_attention=options.keep_attention)
 
 
+def _overrides(options: SweepRecipeOptions, name: str) -> dict:
+    """Variant `name`'s overrides with the options filled in (`_fill`)."""
+    return {key: _fill(value, options) for key, value in VARIANTS[name].items()}
+
+
 def _needs_generated(name: str) -> bool:
     return any("{generated}" in str(value) for value in VARIANTS[name].values())
 
@@ -154,7 +159,7 @@ def check_options(options: SweepRecipeOptions) -> list[str]:
     distill_fields = {f.name for f in dataclasses.fields(DistillOptions)}
     lora_fields = {f.name for f in dataclasses.fields(LoraOptions)}
     for name in names:
-        overrides = {key: _fill(value, options) for key, value in VARIANTS[name].items()}
+        overrides = _overrides(options, name)
         keys = set(overrides)
         wrong = sorted((keys - distill_fields - lora_fields - set(RUN_KEYS)) | (keys & set(FIXED_KEYS)))
         if wrong:
@@ -202,7 +207,7 @@ def _settings(options: SweepRecipeOptions, name: str) -> dict:
     fields = ("teacher", "dataset", "eval_dataset", "crossdomain_dataset", "keep_attention", "init",
               "minutes_per_variant", "stage1_share", "stage1_tokens", "stage2_tokens", "seq_len", "batch_size",
               "evaluations", "eval_tokens", "packing", "mixed_precision")
-    return {"overrides": {key: _fill(value, options) for key, value in VARIANTS[name].items()},
+    return {"overrides": _overrides(options, name),
             **{field: getattr(options, field) for field in fields}}
 
 
@@ -256,7 +261,7 @@ def run_variant(folder: Path, converted: Path, teacher: str, options: SweepRecip
     from delta_attention.conversion.training.lora import LoraOptions
 
     lora_fields = {f.name for f in dataclasses.fields(LoraOptions)}
-    overrides = {key: _fill(value, options) for key, value in VARIANTS[name].items()}
+    overrides = _overrides(options, name)
     distill = {k: v for k, v in overrides.items() if k not in lora_fields and k not in RUN_KEYS}
     lora = LoraOptions(**{k: v for k, v in overrides.items() if k in lora_fields})
     training = TrainingOptions(batch_size=options.batch_size, mixed_precision=options.mixed_precision)
