@@ -44,6 +44,7 @@ from .configuration_delta import DeltaConfig
 from .delta_cache import (
     DEFAULT_MAX_ROLLBACK, DeltaCache, DeltaLinearAttentionLayer, cached_length, stop_recording, use_delta_layers,
 )
+from .delta_block import block_delta_rule
 from .delta_prefill import KeptHidden, release_freed_memory
 from .delta_rule import chunk_delta_rule, delta_step_inplace, recurrent_delta_rule
 
@@ -199,16 +200,18 @@ class DeltaAttention(nn.Module):
     # `set_decay_at_rest` / `set_beta_at_rest` clamp their inputs to these ranges
     DECAY_AT_REST_RANGE = (0.5, 0.9999)
     BETA_AT_REST_RANGE = (1e-3, 1 - 1e-3)
-    # inference without autograd (eval mode, no grad) decodes one token on CPU with `_decode_step`; False (on the
-    # class or a layer) keeps the reference path. `fuse_projections = True` also reads all input projections with
-    # one matmul (`FusedLinear`), at the cost of a copy of their weights; off by default: it measured no faster
-    # (docs/design.md, "Fast inference path")
+    # inference without autograd (eval mode, no grad) runs blocks of up to SHORT_BLOCK_TOKENS new tokens on a CPU cache
+    # (a decode step, a speculative verification, also while the cache records for a rollback) through
+    # `_inference_step`; False (on the class or a layer) keeps the reference path. `fuse_projections = True` also
+    # reads all input projections with one matmul (`FusedLinear`), at the cost of a copy of their weights; off by
+    # default: it measured no faster (docs/design.md, "Fast inference path")
     fast_inference = True
     fuse_projections = False
-    # blocks up to this many tokens run the recurrent loop at inference instead of the chunked kernel, which costs
-    # a whole chunk however few tokens it holds (one thread, 9 heads of 64: 0.55 against 1.09 ms for 11 tokens,
-    # equal near 20; docs/design.md, "Fast inference path")
-    SHORT_BLOCK_TOKENS = 16
+    # blocks up to this many tokens solve the delta rule as one closed-form block at inference (`block_delta_rule`)
+    # instead of the chunked kernel, which costs a whole chunk however few tokens it holds (two threads, 9 heads of
+    # 64, per-head decay: 0.25 against 1.1 ms for 11 tokens, 0.52 against 1.1 for 32; docs/design.md, "Fast
+    # inference path")
+    SHORT_BLOCK_TOKENS = 32
 
     def __init__(self, config: DeltaConfig, layer_idx: int):
         super().__init__()
@@ -453,7 +456,7 @@ class DeltaAttention(nn.Module):
         if seq_len == 1:
             return recurrent_delta_rule(query, key, value, beta, log_decay, initial_state=state, inplace=True)
         if seq_len <= self.SHORT_BLOCK_TOKENS and not torch.is_grad_enabled():
-            return recurrent_delta_rule(query, key, value, beta, log_decay, initial_state=state)
+            return block_delta_rule(query, key, value, beta, log_decay, initial_state=state)
         return chunk_delta_rule(query, key, value, beta, log_decay, initial_state=state, chunk_size=self.chunk_size)
 
     def _recorded_delta_rule(self, query, key, value, beta, log_decay, state, layer
@@ -483,8 +486,8 @@ class DeltaAttention(nn.Module):
             output, _ = self(documents.unpack(hidden_states))
             return documents.pack(output, hidden_states), None
         batch, seq_len, _ = hidden_states.shape
-        if seq_len == 1 and attention_mask is None and self._decodes_fast(hidden_states, cache):
-            return self._decode_step(hidden_states, cache.layers[self.layer_idx]), None
+        if attention_mask is None and self._steps_fast(hidden_states, cache):
+            return self._inference_step(hidden_states, cache.layers[self.layer_idx]), None
         recurrent_state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
 
         mixed_qkv, b, a, gate_input = self._project_inputs(hidden_states)
@@ -523,58 +526,75 @@ class DeltaAttention(nn.Module):
             output = output * self.gate_act(gate_input)
         return self.o_proj(output), None
 
-    def _decodes_fast(self, hidden_states: torch.Tensor, cache: Cache | None) -> bool:
-        """Whether this one-token step can take `_decode_step`: fast inference on, no autograd, CPU, and a cache
-        entry holding a float32 state and a conv window of the kernel's width, not recording for a rollback."""
+    def _steps_fast(self, hidden_states: torch.Tensor, cache: Cache | None) -> bool:
+        """Whether this block can take `_inference_step`: at most `SHORT_BLOCK_TOKENS` new tokens (and no more than
+        a recording cache can roll back), fast inference on, no autograd, CPU, and a cache entry holding a float32
+        state and at least the K - 1 inputs before the block in its conv window."""
         if cache is None or not self._inference_fast() or hidden_states.device.type != "cpu":
             return False
         layer = cache.layers[self.layer_idx]
-        if not isinstance(layer, DeltaLinearAttentionLayer) or layer.record_past or not layer.has_previous_state[0]:
+        if not isinstance(layer, DeltaLinearAttentionLayer) or not layer.has_previous_state[0]:
+            return False
+        seq_len = hidden_states.shape[1]
+        if seq_len > self.SHORT_BLOCK_TOKENS or (layer.record_past and seq_len > layer.max_rollback):
             return False
         state = layer.recurrent_states[0] if layer.is_recurrent_states_initialized[0] else None
         if state is None or state.dtype != torch.float32 or not state.is_contiguous():
             return False
         return self.conv_kernel_size == 0 or (
-            layer.is_conv_states_initialized[0] and layer.conv_states[0].shape[-1] == self.conv_kernel_size
+            layer.is_conv_states_initialized[0] and layer.conv_states[0].shape[-1] >= self.conv_kernel_size - 1
         )
 
-    def _decode_step(self, hidden_states: torch.Tensor, layer: DeltaLinearAttentionLayer) -> torch.Tensor:
-        """`forward` for one new token per row, updating the cache entry `layer` in place (conv window, float32
-        state, token count): the fast path of decoding, without autograd (`_decodes_fast` says when).
+    def _inference_step(self, hidden_states: torch.Tensor, layer: DeltaLinearAttentionLayer) -> torch.Tensor:
+        """`forward` for a few new tokens per row (a decode step, a speculative verification), updating the cache
+        entry `layer` in place (conv window, float32 state, token count, and the record of a rollback while the
+        cache records): the fast path of inference, without autograd (`_steps_fast` says when).
 
         The same maths as the reference path (equal to float32 rounding, tests/test_fast_decode.py) with fewer ops:
-        one matmul for the inputs, the conv's one output as a weighted sum over the window, q and k normalised
-        together in float32 (in 16-bit models too, where the reference normalises them in 16 bits), and one
-        in-place delta-rule step (`delta_step_inplace`). hidden_states [B, 1, hidden] -> [B, 1, hidden]."""
-        batch = hidden_states.shape[0]
+        one matmul for the inputs, the conv's outputs as weighted sums over the window, q and k normalised together
+        in float32 (in 16-bit models too, where the reference normalises them in 16 bits), and the delta rule as
+        one in-place step (`delta_step_inplace`, one token) or one closed-form block (`block_delta_rule`).
+        hidden_states [B, T, hidden] -> [B, T, hidden]."""
+        batch, seq_len, _ = hidden_states.shape
         heads, state_heads = self.num_heads, self.num_state_heads
         key_dim, value_dim = self.key_head_dim, self.value_head_dim
-        mixed_qkv, b, a, gate_input = self._project_inputs(hidden_states[:, 0])  # [B, D], [B, Hs], ...
+        mixed_qkv, b, a, gate_input = self._project_inputs(hidden_states)  # [B, T, D], [B, T, Hs], ...
         if self.conv_kernel_size > 0:
-            # [B, D, K + 1]: the cached inputs, then this token's; the cache keeps the last K
-            window = layer.update_conv_state(mixed_qkv[:, :, None], conv_kernel_size=self.conv_kernel_size)
-            mixed_qkv = self.conv_act((window[..., 1:] * self.conv1d.weight[:, 0]).sum(-1))  # the conv at this token
+            width = self.conv_kernel_size
+            # [B, D, P + T]: the cached inputs (P >= K - 1), then this block's
+            window = layer.update_conv_state(mixed_qkv.transpose(1, 2), conv_kernel_size=width)
+            taps = window[..., window.shape[-1] - seq_len - width + 1 :].unfold(-1, width, 1)  # [B, D, T, K]
+            mixed_qkv = self.conv_act((taps * self.conv1d.weight).sum(-1)).transpose(1, 2)
         mixed_qkv = mixed_qkv.float()
-        query_key = mixed_qkv[:, : self.key_dim + self.state_key_dim].view(batch, heads + state_heads, key_dim)
+        query_key = mixed_qkv[..., : self.key_dim + self.state_key_dim].unflatten(-1, (heads + state_heads, key_dim))
         if self.config.use_qk_norm:
-            query_key = torch.cat([self.q_norm(query_key[:, :heads]), self.k_norm(query_key[:, heads:])], 1)
+            query_key = torch.cat([self.q_norm(query_key[:, :, :heads]), self.k_norm(query_key[:, :, heads:])], 2)
         # l2_normalize(x) = rms_norm(x, eps / K) / sqrt(K): one op for both; the queries also take the K^-0.5 scale
         query_key = F.rms_norm(query_key, (key_dim,), eps=L2_NORM_EPS / key_dim)
-        # the G = H / Hs queries reading each state [B * Hs, G, K]
-        query = query_key[:, :heads].reshape(batch * state_heads, heads // state_heads, key_dim) * (1.0 / key_dim)
-        key = query_key[:, heads:].reshape(batch * state_heads, 1, key_dim) * key_dim**-0.5
-        value = mixed_qkv[:, self.key_dim + self.state_key_dim :].reshape(batch * state_heads, 1, value_dim)
-        beta = self._beta_map(b).reshape(batch * state_heads, 1, 1)
-        log_decay = self._gate_log_decay(a)  # [B, Hs] or [B, Hs, K]
-        decay = None if log_decay is None else log_decay.exp().reshape(batch * state_heads, -1, 1)
+        query = query_key[:, :, :heads] * (1.0 / key_dim)  # [B, T, H, K]
+        key = query_key[:, :, heads:] * key_dim**-0.5  # [B, T, Hs, K], unit length
+        value = mixed_qkv[..., self.key_dim + self.state_key_dim :].unflatten(-1, (state_heads, value_dim))
+        beta = self._beta_map(b)  # [B, T, Hs]
+        log_decay = self._gate_log_decay(a)  # [B, T, Hs] or [B, T, Hs, K]
         state = layer.recurrent_states[0]  # [B, Hs, K, V] float32
-        output = delta_step_inplace(state.view(batch * state_heads, key_dim, value_dim), query, key, value, beta, decay)
-        layer.count_updated_in_place(new_tokens=1)
-        output = F.rms_norm(output.view(batch, heads, value_dim), (value_dim,), eps=self.o_norm.variance_epsilon)
+        if layer.record_past:
+            layer.record_tokens(state, key, value, beta, log_decay)
+        if seq_len == 1:
+            decay = None if log_decay is None else log_decay.exp().reshape(batch * state_heads, -1, 1)
+            flat = batch * state_heads
+            output = delta_step_inplace(  # the G = H / Hs queries reading each state [B * Hs, G, K]
+                state.view(flat, key_dim, value_dim), query.reshape(flat, heads // state_heads, key_dim),
+                key.reshape(flat, 1, key_dim), value.reshape(flat, 1, value_dim), beta.reshape(flat, 1, 1), decay)
+        else:
+            output, final_state = block_delta_rule(query, key, value, beta, log_decay, state, scale=1.0)
+            state.copy_(final_state)
+        layer.count_updated_in_place(new_tokens=seq_len)
+        output = F.rms_norm(output.view(batch, seq_len, heads, value_dim), (value_dim,),
+                            eps=self.o_norm.variance_epsilon)
         output = (output * self.o_norm.weight.view(heads, value_dim)).to(hidden_states.dtype)  # o_norm
-        output = output.view(batch, 1, self.value_dim)
+        output = output.view(batch, seq_len, self.value_dim)
         if gate_input is not None:
-            output = output * self.gate_act(gate_input[:, None])
+            output = output * self.gate_act(gate_input)
         return self.o_proj(output)
 
 

@@ -1,4 +1,4 @@
-"""The fast inference paths of a delta layer (`FusedLinear` input projection, `DeltaAttention._decode_step`) against
+"""The fast inference paths of a delta layer (`FusedLinear` input projection, `DeltaAttention._inference_step`) against
 the reference path (`DeltaAttention.fast_inference = False`): equal outputs and cache states, float32 states in
 bf16 models, never a stale fused weight, and checkpoints that do not change.
 
@@ -40,13 +40,13 @@ def fused_projections(monkeypatch):
 def decode_steps(monkeypatch):
     """Counts the calls of the fast decode step (a fast path that silently never runs would pass every test)."""
     calls = []
-    step = DeltaAttention._decode_step
+    step = DeltaAttention._inference_step
 
     def counted(self, *args, **kwargs):
         calls.append(self.layer_idx)
         return step(self, *args, **kwargs)
 
-    monkeypatch.setattr(DeltaAttention, "_decode_step", counted)
+    monkeypatch.setattr(DeltaAttention, "_inference_step", counted)
     return calls
 
 
@@ -120,6 +120,12 @@ def test_bf16_model_runs_bf16_matmuls_with_float32_states(config, decode_steps):
     reference_path(model)
     _, reference, _ = prefill_then_decode(model, ids, 5)
     assert (fast.float() - reference.float()).abs().max() <= BF16_ATOL
+    reference_path(model, True)  # a verification block: bf16 logits, float32 state, near the float32 model's
+    decode_steps.clear()
+    with torch.no_grad():
+        block = model(ids[:, 8:], cache=model(ids[:, :8], use_cache=True).cache).logits
+    assert len(decode_steps) == len(model.config.delta_layers) and block.dtype == torch.bfloat16
+    assert (block.float() - want[:, 8:]).abs().max() <= BF16_ATOL
 
 
 def decode_logits(model, ids, prefill=4) -> torch.Tensor:
@@ -240,9 +246,11 @@ def test_a_checkpoint_saved_from_a_fused_model_loads_unchanged(tmp_path):
 
 
 @pytest.mark.parametrize("config", ["scalar gate", "channel gate", "GQA-shared state", "hybrid"])
-def test_short_blocks_take_the_recurrent_loop_and_equal_the_chunked_kernel(config, monkeypatch):
-    """A block of a few tokens on a cache (a speculative verification) runs the recurrent loop at inference, equal
-    to the chunked kernel's result; with autograd, and beyond `SHORT_BLOCK_TOKENS`, the chunked kernel runs."""
+def test_short_blocks_take_the_fast_step_and_equal_the_chunked_kernel(config, monkeypatch, decode_steps):
+    """A block of a few tokens on a cache (a speculative verification) takes the fast step (its delta rule solved as
+    one block) at inference, equal to the chunked kernel's result; so does the reference path's short block
+    (`block_delta_rule` inside `_delta_rule`); with autograd, and beyond `SHORT_BLOCK_TOKENS`, the chunked kernel
+    runs."""
     import delta_attention.modeling.modeling_delta as modeling
 
     chunk_calls = []
@@ -257,21 +265,76 @@ def test_short_blocks_take_the_recurrent_loop_and_equal_the_chunked_kernel(confi
     ids = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(5))
     delta_layers = len(model.config.delta_layers)
 
-    def run(short_block_tokens):
+    def run(short_block_tokens, fast=True):
         monkeypatch.setattr(DeltaAttention, "SHORT_BLOCK_TOKENS", short_block_tokens)
+        reference_path(model, fast)
         chunk_calls.clear()
+        decode_steps.clear()
         with torch.no_grad():
             cache = model(ids[:, :30], use_cache=True).cache  # 30 tokens: the chunked kernel
             logits = model(ids[:, 30:], cache=cache).logits  # a block of 10
-        return logits, cache, list(chunk_calls)
+        return logits, cache, list(chunk_calls), len(decode_steps)
 
-    short, short_cache, short_calls = run(16)
-    chunked, chunked_cache, chunked_calls = run(0)
-    assert short_calls == [30] * delta_layers and chunked_calls == [30] * delta_layers + [10] * delta_layers
-    assert (short - chunked).abs().max() <= FLOAT32_ATOL
-    for got, want in zip(states(short_cache), states(chunked_cache), strict=True):
-        assert (got - want).abs().max() <= FLOAT32_ATOL
+    short, short_cache, short_calls, short_steps = run(16)
+    closed_form, closed_form_cache, closed_form_calls, closed_form_steps = run(16, fast=False)
+    chunked, chunked_cache, chunked_calls, chunked_steps = run(0)
+    assert short_calls == closed_form_calls == [30] * delta_layers
+    assert chunked_calls == [30] * delta_layers + [10] * delta_layers
+    assert (short_steps, closed_form_steps, chunked_steps) == (delta_layers, 0, 0)
+    for logits, cache in ((short, short_cache), (closed_form, closed_form_cache)):
+        assert (logits - chunked).abs().max() <= FLOAT32_ATOL
+        for got, want in zip(states(cache), states(chunked_cache), strict=True):
+            assert (got - want).abs().max() <= FLOAT32_ATOL
     monkeypatch.setattr(DeltaAttention, "SHORT_BLOCK_TOKENS", 16)
     chunk_calls.clear()
     model(ids[:, :10]).logits.sum().backward()  # training: the chunked kernel, whatever the length
     assert chunk_calls == [10] * delta_layers
+
+
+@pytest.mark.parametrize("config", ["scalar gate", "channel gate", "no gate, no conv", "GQA-shared state", "hybrid"])
+@torch.no_grad()
+def test_recorded_steps_take_the_fast_step_and_roll_back_exactly(config, decode_steps):
+    """While the cache records for a rollback (assisted decoding), a decode step and a verification block take the
+    fast step too, recording what `crop` replays: after crop(-n) the cache equals the reference path's run over the
+    tokens kept, and continues like it."""
+    model = tiny_delta_model(**CONFIGS[config])
+    ids = torch.randint(3, 97, (2, 22), generator=torch.Generator().manual_seed(6))
+    prompt, step, block, after = ids[:, :10], ids[:, 10:11], ids[:, 11:18], ids[:, 18:]
+    delta_layers = len(model.config.delta_layers)
+    for kept in (0, 3, 7):
+        reference_path(model, True)
+        cache = model(prompt, use_cache=True).cache
+        cache.activate_past_recording()
+        decode_steps.clear()
+        model(step, cache=cache)
+        model(block, cache=cache)
+        assert len(decode_steps) == 2 * delta_layers  # the step and the block, in every delta layer
+        cache.crop(-(block.shape[1] - kept))
+        reference_path(model)
+        reference = model(torch.cat([prompt, step, block[:, :kept]], 1), use_cache=True).cache
+        assert cache.get_seq_length() == reference.get_seq_length() == 11 + kept
+        for got, want in zip(states(cache), states(reference), strict=True):
+            assert got.shape == want.shape and (got - want).abs().max() <= FLOAT32_ATOL
+        got, want = model(after, cache=cache).logits, model(after, cache=reference).logits
+        assert (got - want).abs().max() <= FLOAT32_ATOL
+
+
+@torch.no_grad()
+def test_a_block_longer_than_the_rollback_bound_takes_the_reference_path(decode_steps):
+    """A recording cache keeps at most `max_rollback` tokens to replay; a longer block goes through the reference
+    path, which records only its last `max_rollback` tokens, and a crop within them stays exact."""
+    from delta_attention.modeling.delta_cache import DeltaCache
+
+    model = tiny_delta_model()
+    ids = torch.randint(3, 97, (1, 18), generator=torch.Generator().manual_seed(7))
+    cache = DeltaCache(config=model.config, max_rollback=4)
+    model(ids[:, :8], cache=cache)
+    cache.activate_past_recording()
+    decode_steps.clear()
+    model(ids[:, 8:14], cache=cache)  # 6 tokens > max_rollback = 4
+    assert not decode_steps
+    cache.crop(-4)
+    reference_path(model)
+    reference = model(ids[:, :10], use_cache=True).cache
+    for got, want in zip(states(cache), states(reference), strict=True):
+        assert (got - want).abs().max() <= FLOAT32_ATOL

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from delta_attention.modeling import delta_chunk
+from delta_attention.modeling.delta_block import block_delta_rule
 from delta_attention.modeling.delta_reference import chunk_delta_rule_elementwise
 from delta_attention.modeling.delta_rule import chunk_delta_rule, delta_rule_reference, recurrent_delta_rule
 
@@ -53,6 +54,8 @@ def run_kernel(kernel, q, k, v, beta, g, state):
         return o, final
     if kernel == "reference":
         return delta_rule_reference(q, k, v, beta, g, initial_state=state)
+    if kernel == "block":
+        return block_delta_rule(q, k, v, beta, g, initial_state=state)
     form, chunk = kernel.split("-")
     implementation = "fast" if form == "fast" else "elementwise"
     return chunk_delta_rule(q, k, v, beta, g, initial_state=state, chunk_size=int(chunk),
@@ -62,7 +65,8 @@ def run_kernel(kernel, q, k, v, beta, g, state):
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("seq_len", [1, 63, 65, 130])
 @pytest.mark.parametrize("with_state", [False, True])
-@pytest.mark.parametrize("kernel", ["reference", "recurrent", "inplace", "fast-16", "fast-64", "elementwise-16"])
+@pytest.mark.parametrize("kernel", ["reference", "recurrent", "inplace", "block", "fast-16", "fast-64",
+                                    "elementwise-16"])
 def test_gqa_kernels_equal_the_per_head_computation(gate, seq_len, with_state, kernel):
     q, k, v, beta, g = gqa_inputs(gate, seq_len)
     state = torch.randn(2, KV_HEADS, 16, 8) if with_state else None
