@@ -17,6 +17,10 @@ The assistant: unless `--assistant_model` names a model (same tokenizer), each t
 extra weights, a third of the target's cost per drafted token at 10 of 30 layers). A separately trained small
 draft does not exist for these models; the other conversion is as deep as the target, so it could not be faster.
 
+`--layouts ...,teacher` also measures the source model itself (the offline GGUF, or `--teacher_model`), greedy
+against prompt lookup through transformers' own decoding: the speed-up the model being replaced gets from the
+same drafts, the peer the converted models' ratios compare with (no assistant or saved state for it).
+
 Drafted and accepted tokens are counted by wrapping the candidate generator `generate` builds (on the target
 instance, for the duration of one call). All methods run one after the other on each prompt (side by side), so
 their ratios are comparable; run it on an idle machine.
@@ -47,12 +51,16 @@ QUESTION = "\n\nQuestion: What is the text above about? Answer in one sentence.\
 @dataclasses.dataclass
 class SpeculativeOptions:
     output_dir: str = dataclasses.field(default="results/speculative", metadata={"help": "results folder"})
-    layouts: str = dataclasses.field(default="hybrid,all-delta", metadata={"help": "hybrid and/or all-delta"})
+    layouts: str = dataclasses.field(
+        default="hybrid,all-delta", metadata={"help": "hybrid, all-delta and/or teacher (the source model: greedy and "
+                                                      "prompt lookup only)"})
     hybrid_model: str | None = dataclasses.field(
         default=None, metadata={"help": "a converted hybrid model folder (default: convert the offline GGUF into "
                                         "OUTPUT_DIR/models/hybrid, or reuse what an earlier run put there)"})
     delta_model: str | None = dataclasses.field(
         default=None, metadata={"help": "a converted all-delta model folder (default: as --hybrid_model)"})
+    teacher_model: str | None = dataclasses.field(
+        default=None, metadata={"help": "the source model for --layouts teacher (default: the offline SmolLM2 GGUF)"})
     assistant_model: str | None = dataclasses.field(
         default=None, metadata={"help": "draft model folder with the same tokenizer (default: each target's first "
                                         "--draft_layers layers)"})
@@ -226,13 +234,14 @@ def measure_generation(model, draft, prompts: dict[str, list[torch.Tensor]], opt
     """Rows of tokens/s, acceptance and identity for every task and method; the methods run side by side on each
     prompt (greedy first: its output is the reference). A method `generate` refuses gets a row with its error."""
     rows = []
+    methods = METHODS if draft is not None else METHODS[:2]  # no draft: greedy and prompt lookup
     for task, task_prompts in prompts.items():
-        for method in METHODS:  # warm-up: the code paths of every method, on a few tokens
+        for method in methods:  # warm-up: the code paths of every method, on a few tokens
             with contextlib.suppress(ValueError, RuntimeError):
                 generate_timed(model, task_prompts[0], method, options, draft, new_tokens=4)
-        runs, errors = {m: [] for m in METHODS}, {}
+        runs, errors = {m: [] for m in methods}, {}
         for ids in task_prompts:
-            for method in METHODS:
+            for method in methods:
                 if method in errors:
                     continue
                 try:
@@ -240,7 +249,7 @@ def measure_generation(model, draft, prompts: dict[str, list[torch.Tensor]], opt
                 except (ValueError, RuntimeError) as error:
                     errors[method] = " ".join(str(error).split())
         reference = [r["tokens"] for r in runs["greedy"]]
-        for method in METHODS:
+        for method in methods:
             if method in errors:
                 rows.append({"task": task, "method": method, "error": errors[method]})
                 log(f"  {task:12s} {method:14s} failed: {errors[method]}")
@@ -334,11 +343,12 @@ def measure(models: dict, tokenizer, texts: list[str], options: SpeculativeOptio
     results = {}
     for name, (model, draft, description) in models.items():
         log(f"{name}: {description}")
-        result = {"description": description, "layers": len(model.config.layer_types),
-                  "softmax_layers": sum(kind != "linear_attention" for kind in model.config.layer_types),
+        layer_types = getattr(model.config, "layer_types", None) or ["full_attention"] * model.config.num_hidden_layers
+        result = {"description": description, "layers": len(layer_types),
+                  "softmax_layers": sum(kind != "linear_attention" for kind in layer_types),
                   "draft": draft_description(draft, options)}
         result["generation"] = measure_generation(model, draft, prompts, options, log) if prompts else []
-        if "document" in tasks:
+        if "document" in tasks and name != "teacher":  # saved states are the delta models' (`save_cache`)
             document, question = document_and_question(tokenizer, texts, options.document_tokens)
             result["document"] = measure_document(model, document, question, output / f"{name}.state.safetensors",
                                                   options, log)
@@ -348,6 +358,8 @@ def measure(models: dict, tokenizer, texts: list[str], options: SpeculativeOptio
 
 
 def draft_description(draft, options: SpeculativeOptions) -> str:
+    if draft is None:
+        return "none (greedy and prompt lookup only)"
     if options.assistant_model:
         return f"{options.assistant_model}, {options.draft_tokens} tokens per step"
     return (f"the target's first {draft.config.num_hidden_layers} layers (early exit), {options.draft_tokens} tokens "
@@ -399,6 +411,10 @@ def target_checks(report: dict) -> list[str]:
     for name, result in report["models"].items():
         rows = {(r["task"], r["method"]): r for r in result["generation"] if "error" not in r}
         grounded, free = rows.get(("grounded", "prompt lookup")), rows.get(("continuation", "prompt lookup"))
+        if name == "teacher":  # the peer, not a target
+            checks += [f"- (peer) teacher: prompt lookup on the {row['task']} task {row['speedup']:.2f}x greedy, "
+                       f"acceptance {row['acceptance']:.0%}" for row in (grounded, free) if row]
+            continue
         if grounded:
             ok = grounded["speedup"] >= 2 and grounded["identical"] == grounded["prompts"]
             checks.append(f"- [{'x' if ok else ' '}] {name}: prompt lookup on the grounded task "
@@ -483,9 +499,10 @@ def run_speculative(options: SpeculativeOptions, log=print) -> dict:
 
     options.validate()
     layouts = [name.strip() for name in options.layouts.split(",") if name.strip()]
-    if not layouts or set(layouts) - {"hybrid", "all-delta"}:
-        raise ValueError(f"--layouts must be hybrid and/or all-delta, got {options.layouts!r}")
-    for flag in ("hybrid_model", "delta_model", "assistant_model"):  # before any conversion or loading
+    if not layouts or set(layouts) - {"hybrid", "all-delta", "teacher"}:
+        raise ValueError(f"--layouts must be a comma-separated subset of hybrid, all-delta, teacher, got "
+                         f"{options.layouts!r}")
+    for flag in ("hybrid_model", "delta_model", "teacher_model", "assistant_model"):  # before any conversion or loading
         if getattr(options, flag):
             check_model_spec(getattr(options, flag), f"--{flag}")
     output = Path(options.output_dir)
@@ -500,6 +517,13 @@ def run_speculative(options: SpeculativeOptions, log=print) -> dict:
             else None
         models, tokenizer = {}, None
         for layout in layouts:
+            if layout == "teacher":
+                from delta_attention.conversion.data.assets import smollm2_gguf_path
+
+                spec = options.teacher_model or str(smollm2_gguf_path())
+                model, tokenizer = load_model(spec, dtype=dtype, what="--teacher_model")
+                models[layout] = (model, None, f"the source model ({Path(spec).name}), not converted")
+                continue
             model, tokenizer = load_model(_model_folder(layout, options, output, log), dtype=dtype, require_delta=True)
             draft = assistant if assistant is not None else early_exit_draft(model, options.draft_layers)
             models[layout] = (model, draft, f"{layout} conversion of SmolLM2-135M-Instruct")

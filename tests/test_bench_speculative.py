@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_tokenizer
+from conftest import tiny_llama_teacher, tiny_tokenizer
 from delta_attention.scripts import bench_speculative as bench
 from test_generation import build, prompt
 
@@ -75,6 +75,29 @@ def test_speculative_benchmark_runs_end_to_end(tmp_path):
     assert "| hybrid | grounded | prompt lookup |" in table and "| all_delta | 48 |" in table
     assert "prompt lookup on the grounded task" in table and "first token from the saved 48-token state" in table
     assert (tmp_path / "speculative.png").stat().st_size > 0
+
+
+def test_the_teacher_is_measured_as_the_peer(tmp_path):
+    """`--layouts ...,teacher`: the source model (here a tiny Llama) runs greedy and prompt lookup through
+    transformers' own decoding, identical outputs; no assistant, no saved state; reported as the peer, not a target."""
+    teacher = tiny_llama_teacher().eval()
+    teacher.generation_config.pad_token_id = 0
+    tokenizer = tiny_tokenizer()
+    texts = [" ".join(f"w{(5 * i + j) % 90}" for j in range(200)) for i in range(3)]
+    options = bench.SpeculativeOptions(passages=2, passage_tokens=24, new_tokens=8, document_tokens=48,
+                                       lookup_tokens=4)
+    results = bench.measure({"teacher": (teacher, None, "tiny llama")}, tokenizer, texts, options, tmp_path,
+                            log=lambda *_: None)
+    rows = {(r["task"], r["method"]): r for r in results["teacher"]["generation"]}
+    assert set(rows) == {(t, m) for t in ("grounded", "continuation") for m in ("greedy", "prompt lookup")}
+    assert all(rows[(t, "prompt lookup")]["identical"] == 2 for t in ("grounded", "continuation"))
+    assert "document" not in results["teacher"] and results["teacher"]["softmax_layers"] == 2
+    report = {"environment": {"threads": 1}, "options": dataclasses.asdict(options), "command": "", "models": results}
+    checks = bench.target_checks(report)
+    assert len(checks) == 2 and all(c.startswith("- (peer) teacher: prompt lookup on the ") for c in checks)
+    with pytest.raises(ValueError, match=r"^--layouts must be a comma-separated subset of hybrid, all-delta, teacher"):
+        bench.run_speculative(bench.SpeculativeOptions(layouts="hybrid,llama", output_dir=str(tmp_path / "x")))
+    assert not (tmp_path / "x").exists()
 
 
 def test_bad_options_are_one_line_errors():
