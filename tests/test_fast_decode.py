@@ -338,3 +338,26 @@ def test_a_block_longer_than_the_rollback_bound_takes_the_reference_path(decode_
     reference = model(ids[:, :10], use_cache=True).cache
     for got, want in zip(states(cache), states(reference), strict=True):
         assert (got - want).abs().max() <= FLOAT32_ATOL
+
+
+@torch.no_grad()
+def test_a_conv_window_short_of_the_kernel_takes_the_reference_path(decode_steps):
+    """A cache that records from its first token keeps a 2-token prompt's conv inputs unpadded: a block after it
+    lacks the K - 1 inputs the fast step's window needs and takes the reference path (zeros before the first input),
+    after which the window is full and steps are fast again; all equal to a plain run."""
+    from delta_attention.modeling.delta_cache import DeltaCache
+
+    model = tiny_delta_model()  # conv kernel 4
+    ids = torch.randint(3, 97, (1, 7), generator=torch.Generator().manual_seed(8))
+    cache = DeltaCache(config=model.config)
+    cache.activate_past_recording()
+    logits = [model(ids[:, :2], cache=cache).logits]
+    delta_layer = next(layer for layer in cache.layers if hasattr(layer, "recorded"))
+    assert delta_layer.conv_states[0].shape[-1] == 2
+    logits.append(model(ids[:, 2:5], cache=cache).logits)
+    assert not decode_steps
+    logits.append(model(ids[:, 5:], cache=cache).logits)
+    assert len(decode_steps) == len(model.config.delta_layers)
+    reference_path(model)
+    want = model(ids, use_cache=False).logits
+    assert (torch.cat(logits, 1) - want).abs().max() <= FLOAT32_ATOL
