@@ -524,13 +524,18 @@ def _segment_backward(qk, v, beta, log_decay, states, v_new, grad_out, grad_fina
 # entry point
 
 
-@functools.cache
-def _cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AMX tiles or AVX512-BF16); logs the answer once. True where
-    torch cannot tell (the checks are private helpers of `torch.cpu`), which keeps bf16 matmuls as before."""
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AMX tiles or AVX512-BF16). True where torch cannot tell (the
+    checks are private helpers of `torch.cpu`), which keeps bf16 matmuls as before."""
     checks = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
     checks = [check for check in checks if check is not None]
-    native = not checks or any(check() for check in checks)
+    return not checks or any(check() for check in checks)
+
+
+@functools.cache
+def _cpu_has_native_bf16() -> bool:
+    """`cpu_has_native_bf16`, asked once per process; logs what its answer means for the kernel."""
+    native = cpu_has_native_bf16()
     if not native:
         logger.info("delta rule: this CPU has no native bf16 matmuls (AMX, AVX512-BF16): bf16 inputs run the chunk "
                     "kernel in float32 and get bf16 outputs")

@@ -37,7 +37,8 @@ class BenchDistillOptions:
         default="boundary", metadata={"help": "boundary (documents reset at each EOS) or plain (one run per block)"}
     )
     mixed_precision: str = dataclasses.field(
-        default="bf16", metadata={"help": "bf16 (autocast) or no (float32; faster on CPUs without bf16 matmul units)"}
+        default="auto", metadata={"help": "auto (bf16 autocast where the CPU has bf16 matmul units, else float32), "
+                                          "bf16 or no (float32)"}
     )
     stage1_tokens: int = dataclasses.field(
         default=0, metadata={"help": "stage 1 token budget; 0 derives it from the time budget and the probed speed"}
@@ -85,10 +86,12 @@ def run(options: BenchDistillOptions) -> int:
     from delta_attention.conversion.converter.pipeline import ConversionSettings, convert
     from delta_attention.conversion.converter.sources import load_source
     from delta_attention.conversion.data.text import DataOptions, training_blocks
+    from delta_attention.conversion.precision import resolve_mixed_precision
     from delta_attention.conversion.training.loop import TrainingOptions
 
-    if options.mixed_precision not in ("bf16", "no"):
-        raise ValueError(f"--mixed_precision must be bf16 or no, got {options.mixed_precision!r}")
+    if options.mixed_precision not in ("auto", "bf16", "no"):
+        raise ValueError(f"--mixed_precision must be auto, bf16 or no, got {options.mixed_precision!r}")
+    options.mixed_precision = resolve_mixed_precision(options.mixed_precision, "cpu")  # what the report records
     out = Path(options.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     gguf = str(smollm2_gguf_path())

@@ -58,6 +58,8 @@ def check_options(options: BenchLongContextOptions) -> list[str]:
     """The variants to run; one `ValueError` naming the flag for anything that cannot work (before any loading)."""
     from delta_attention.conversion.evaluation.long_context import check_long_context_options
 
+    if options.mixed_precision not in ("auto", "bf16", "no"):
+        raise ValueError(f"--mixed_precision must be auto, bf16 or no, got {options.mixed_precision!r}")
     variants = [name.strip() for name in options.variants.split(",") if name.strip()]
     unknown = [name for name in variants if name not in VARIANTS]
     if unknown or not variants:
@@ -99,8 +101,10 @@ def run(options: BenchLongContextOptions) -> int:
     from delta_attention.conversion.data.text import DataOptions, evaluation_texts, training_blocks
     from delta_attention.conversion.training.loop import TrainingOptions
     from delta_attention.conversion.loading import load_model
+    from delta_attention.conversion.precision import resolve_mixed_precision
 
     variants = check_options(options)
+    options.mixed_precision = resolve_mixed_precision(options.mixed_precision, "cpu")  # what the report records
     out = Path(options.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     gguf = str(smollm2_gguf_path())

@@ -34,7 +34,8 @@ class Options:
         default="|".join(DEFAULT_PROMPTS), metadata={"help": "prompts separated by |"}
     )
     max_new_tokens: int = dataclasses.field(default=40, metadata={"help": "tokens generated per prompt"})
-    bf16: bool = dataclasses.field(default=True, metadata={"help": "bf16 autocast for the perplexity runs"})
+    bf16: bool = dataclasses.field(default=True, metadata={
+        "help": "bf16 autocast for the perplexity runs, where the CPU multiplies bf16 natively (float32 elsewhere)"})
 
 
 def _prompt_ids(tokenizer, prompt: str) -> torch.Tensor:

@@ -89,7 +89,8 @@ class SweepRecipeOptions:
         "help": "tokens of each evaluation text (held-out, cross-domain) and of the agreement windows"})
     probe_steps: int = dataclasses.field(default=3, metadata={"help": "timed steps per speed probe"})
     packing: str = dataclasses.field(default="boundary", metadata={"help": "boundary or plain"})
-    mixed_precision: str = dataclasses.field(default="bf16", metadata={"help": "bf16 (autocast) or no (float32)"})
+    mixed_precision: str = dataclasses.field(default="auto", metadata={
+        "help": "auto (bf16 autocast where the CPU has bf16 matmul units, else float32), bf16 or no (float32)"})
     tie_margin: float = dataclasses.field(default=0.01, metadata={
         "help": "cross-domain ratios within this of the lowest count as tied (agreement decides)"})
     resume: bool = dataclasses.field(default=False, metadata={
@@ -142,8 +143,8 @@ def check_options(options: SweepRecipeOptions) -> list[str]:
     for name in ("seq_len", "batch_size", "evaluations", "eval_tokens", "probe_steps"):
         if getattr(options, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(options, name)}")
-    if options.mixed_precision not in ("bf16", "no"):
-        raise ValueError(f"--mixed_precision must be bf16 or no, got {options.mixed_precision!r}")
+    if options.mixed_precision not in ("auto", "bf16", "no"):
+        raise ValueError(f"--mixed_precision must be auto, bf16 or no, got {options.mixed_precision!r}")
     if not options.crossdomain_dataset.strip():
         raise ValueError("--crossdomain_dataset is empty; the sweep chooses by cross-domain perplexity (default "
                          "builtin:crossdomain)")

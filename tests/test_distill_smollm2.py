@@ -28,7 +28,7 @@ def test_a_few_steps_of_each_stage_lower_heldout_perplexity(converted, smollm2_g
                              stage2_tokens=3 * 2 * 128, stage1_lr=1e-2, stage2_lr=3e-4,
                              eval_tokens=2 * 256, eval_seq_len=256)
     results = run_distill(distill, DataOptions(dataset="builtin:train", seq_len=128),
-                          TrainingOptions(batch_size=2, mixed_precision="bf16"), LoraOptions(lora_r=8))
+                          TrainingOptions(batch_size=2), LoraOptions(lora_r=8))
     print(json.dumps({k: v for k, v in results.items() if k != "recipe"}, indent=1))
     assert results["teacher_ppl"] < results["converted_ppl"]
     assert results["stage1"]["heldout_ppl"] < results["converted_ppl"]

@@ -280,7 +280,7 @@ def test_resuming_a_finished_run_says_so_and_reports_its_last_loss(runs, tmp_pat
     ("max_grad_norm", -1.0, r"--max_grad_norm must be >= 0 \(0 = no clipping\), got -1.0"),
     ("max_grad_norm", float("nan"), r"--max_grad_norm must be >= 0"),
     ("log_every_steps", 0, r"--log_every_steps must be a whole number >= 1, got 0"),
-    ("mixed_precision", "fp32", r"--mixed_precision must be one of no, bf16, fp16, got 'fp32'"),
+    ("mixed_precision", "fp32", r"--mixed_precision must be one of auto, no, bf16, fp16, got 'fp32'"),
 ])
 def test_bad_training_options_are_refused_before_anything_is_written(tmp_path, option, value, message):
     options = TrainingOptions(**{**EVERY_2.__dict__, option: value})

@@ -79,7 +79,9 @@ class ConversionSettings:
         default=2, metadata={"help": "calibrated init: windows used to search each head's (beta, decay)"}
     )
     rank_tokens: int = dataclasses.field(default=2048, metadata={"help": "auto: tokens of text to rank layers on"})
-    bf16: bool = dataclasses.field(default=True, metadata={"help": "bf16 autocast for calibration and ranking"})
+    bf16: bool = dataclasses.field(default=True, metadata={
+        "help": "bf16 autocast for calibration and ranking, where the CPU multiplies bf16 natively (AMX, AVX512-BF16; "
+                "float32 elsewhere)"})
     dtype: str = dataclasses.field(
         default="auto", metadata={"help": "saved weights: auto (source dtype) | float32 | bfloat16 | float16"}
     )

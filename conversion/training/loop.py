@@ -34,11 +34,12 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
+from ..precision import resolve_mixed_precision
 from ..saving import write_text_atomically
 from .checkpoints import find_checkpoint, has_checkpoints, latest_checkpoint, load_checkpoint, load_rng_state, \
     parameter_mismatch, rng_state, save_checkpoint, set_rng_state
 
-MIXED_PRECISIONS = ("no", "bf16", "fp16")
+MIXED_PRECISIONS = ("auto", "no", "bf16", "fp16")
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -56,7 +57,9 @@ class TrainingOptions:
     weight_decay: float = dataclasses.field(default=0.0, metadata={"help": "AdamW weight decay"})
     warmup_ratio: float = dataclasses.field(default=0.05, metadata={"help": "share of steps of linear warmup"})
     max_grad_norm: float = dataclasses.field(default=1.0, metadata={"help": "gradient clipping (0 = off)"})
-    mixed_precision: str = dataclasses.field(default="bf16", metadata={"help": "no, bf16 or fp16 (GPU)"})
+    mixed_precision: str = dataclasses.field(default="auto", metadata={
+        "help": "auto (bf16 where the hardware multiplies bf16 natively: a GPU with bf16, a CPU with AMX or "
+                "AVX512-BF16; float32 elsewhere), no (float32), bf16, or fp16 (GPU)"})
     gradient_checkpointing: bool = dataclasses.field(default=False, metadata={"help": "recompute layer activations"})
     checkpoint_every_tokens: int = dataclasses.field(default=0, metadata={"help": "0 = only at the end"})
     eval_every_tokens: int = dataclasses.field(default=0, metadata={"help": "0 = only at the end"})
@@ -282,13 +285,14 @@ def run_training(
     if not (isinstance(max_tokens, int) and max_tokens > 0):
         raise ValueError(f"the token budget of {description} must be a positive number of tokens, got {max_tokens!r}")
     output_dir = Path(output_dir)
+    precision = resolve_mixed_precision(options.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu")
     state = AcceleratorState._shared_state
-    if state and state.get("_mixed_precision") != options.mixed_precision and "LOCAL_RANK" not in os.environ:
+    if state and state.get("_mixed_precision") != precision and "LOCAL_RANK" not in os.environ:
         # one process, a new precision (e.g. a second run in the same Python session): accelerate keeps its
         # state as a singleton, so start it afresh; under `accelerate launch` every run shares the launch's settings
         AcceleratorState._reset_state(reset_partial_state=True)
     accelerator = Accelerator(
-        mixed_precision=options.mixed_precision,
+        mixed_precision=precision,
         gradient_accumulation_steps=options.gradient_accumulation_steps,
         cpu=not torch.cuda.is_available(),
     )
