@@ -16,7 +16,7 @@ else
 fi
 CACHE=${DELTA_ATTENTION_HOME:-$HOME/.cache/delta_attention}
 OUT=${1:-$CACHE/demo/smollm2-135m-delta-hybrid}
-GGUF=$("$BIN/python" -c "from delta_attention.conversion.assets import smollm2_gguf_path; print(smollm2_gguf_path())")
+GGUF=$("$BIN/python" -c "from delta_attention.conversion.data.assets import smollm2_gguf_path; print(smollm2_gguf_path())")
 
 "$BIN/delta-attention" convert "$GGUF" --out "$OUT" --overwrite \
     --keep-attention auto:0.25 --init calibrated --calibration-steps 40
