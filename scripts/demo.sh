@@ -3,7 +3,7 @@
 # GGUF to a hybrid delta-attention model (the quarter of the layers whose bypass costs most perplexity keep
 # softmax attention; calibrated init), then print held-out perplexity of the original and the converted model
 # and a few generated sentences from each.
-# A few minutes on 2 CPU cores. Usage: bash scripts/demo.sh [OUTPUT_DIR]
+# About 7 minutes on 2 CPU cores after set-up. Usage: bash scripts/demo.sh [OUTPUT_DIR]
 # DELTA_ATTENTION_VENV=path uses an existing environment instead of running scripts/setup.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
