@@ -52,4 +52,14 @@ def resolve_mixed_precision(mixed_precision: str, device: str | torch.device) ->
     return "no"
 
 
-__all__ = ["autocast", "native_bf16", "resolve_mixed_precision"]
+CPU_MIXED_PRECISIONS = ("auto", "bf16", "no")  # what the CPU benchmarks and the sweep accept
+
+
+def check_cpu_mixed_precision(mixed_precision: str) -> None:
+    """Raise a `ValueError` naming `--mixed_precision` unless it is one of `CPU_MIXED_PRECISIONS`."""
+    if mixed_precision not in CPU_MIXED_PRECISIONS:
+        raise ValueError(f"--mixed_precision must be {', '.join(CPU_MIXED_PRECISIONS[:-1])} or "
+                         f"{CPU_MIXED_PRECISIONS[-1]}, got {mixed_precision!r}")
+
+
+__all__ = ["autocast", "check_cpu_mixed_precision", "native_bf16", "resolve_mixed_precision"]

@@ -86,11 +86,10 @@ def run(options: BenchDistillOptions) -> int:
     from delta_attention.conversion.converter.pipeline import ConversionSettings, convert
     from delta_attention.conversion.converter.sources import load_source
     from delta_attention.conversion.data.text import DataOptions, training_blocks
-    from delta_attention.conversion.precision import resolve_mixed_precision
+    from delta_attention.conversion.precision import check_cpu_mixed_precision, resolve_mixed_precision
     from delta_attention.conversion.training.loop import TrainingOptions
 
-    if options.mixed_precision not in ("auto", "bf16", "no"):
-        raise ValueError(f"--mixed_precision must be auto, bf16 or no, got {options.mixed_precision!r}")
+    check_cpu_mixed_precision(options.mixed_precision)
     options.mixed_precision = resolve_mixed_precision(options.mixed_precision, "cpu")  # what the report records
     out = Path(options.output_dir)
     out.mkdir(parents=True, exist_ok=True)

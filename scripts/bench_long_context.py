@@ -57,9 +57,9 @@ class BenchLongContextOptions(BenchDistillOptions):
 def check_options(options: BenchLongContextOptions) -> list[str]:
     """The variants to run; one `ValueError` naming the flag for anything that cannot work (before any loading)."""
     from delta_attention.conversion.evaluation.long_context import check_long_context_options
+    from delta_attention.conversion.precision import check_cpu_mixed_precision
 
-    if options.mixed_precision not in ("auto", "bf16", "no"):
-        raise ValueError(f"--mixed_precision must be auto, bf16 or no, got {options.mixed_precision!r}")
+    check_cpu_mixed_precision(options.mixed_precision)
     variants = [name.strip() for name in options.variants.split(",") if name.strip()]
     unknown = [name for name in variants if name not in VARIANTS]
     if unknown or not variants:

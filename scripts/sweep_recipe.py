@@ -121,6 +121,7 @@ def check_options(options: SweepRecipeOptions) -> list[str]:
     from delta_attention.conversion.converter.pipeline import ConversionSettings
     from delta_attention.conversion.loading import check_model_spec
     from delta_attention.conversion.output_folder import check_output_folder
+    from delta_attention.conversion.precision import check_cpu_mixed_precision
     from delta_attention.conversion.training.distill import DistillOptions
     from delta_attention.conversion.training.lora import LoraOptions
 
@@ -143,8 +144,7 @@ def check_options(options: SweepRecipeOptions) -> list[str]:
     for name in ("seq_len", "batch_size", "evaluations", "eval_tokens", "probe_steps"):
         if getattr(options, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(options, name)}")
-    if options.mixed_precision not in ("auto", "bf16", "no"):
-        raise ValueError(f"--mixed_precision must be auto, bf16 or no, got {options.mixed_precision!r}")
+    check_cpu_mixed_precision(options.mixed_precision)
     if not options.crossdomain_dataset.strip():
         raise ValueError("--crossdomain_dataset is empty; the sweep chooses by cross-domain perplexity (default "
                          "builtin:crossdomain)")

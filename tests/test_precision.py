@@ -61,3 +61,13 @@ def test_the_default_training_precision_follows_the_cpu(tmp_path, cpu_bf16, nati
     assert TrainingOptions().mixed_precision == "auto"
     train(tmp_path, TrainingOptions(batch_size=4), loss=loss, max_tokens=2 * 4 * BLOCKS.shape[1])
     assert seen == [native, native]
+
+
+@pytest.mark.parametrize("value", ["auto", "bf16", "no"])
+def test_the_cpu_scripts_accept_auto_bf16_and_no(value):
+    precision.check_cpu_mixed_precision(value)
+
+
+def test_the_cpu_scripts_name_what_they_accept():
+    with pytest.raises(ValueError, match=r"^--mixed_precision must be auto, bf16 or no, got 'fp16'$"):
+        precision.check_cpu_mixed_precision("fp16")
