@@ -28,19 +28,23 @@ from .delta_reference import gate_kind, head_groups, start_state
 FACTORED_LOG_DECAY = 60.0
 
 
-def _decay_ratios(log_decay: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From a block's log-decay [B, H, T] (per head) or [B, H, T, K] (per channel), float32: the decay from the
-    block's start to each token c [B, H, T(, K)], from each token to the block's end c_T / c_t (same shape), and
-    between tokens c_t / c_s [B, H, T, T(, K)], zero where s > t."""
+def _decays(log_decay: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From a block's log-decay [B, H, T] (per head) or [B, H, T, K] (per channel), float32: its cumulative sum G,
+    the decay from the block's start to each token c = exp(G), and from each token to the block's end c_T / c_t
+    (all the same shape)."""
     cumulative = log_decay.cumsum(2)  # G_t
-    to_end = (cumulative[:, :, -1:] - cumulative).exp()
+    return cumulative, cumulative.exp(), (cumulative[:, :, -1:] - cumulative).exp()
+
+
+def _decay_between(cumulative: torch.Tensor) -> torch.Tensor:
+    """The decay between tokens c_t / c_s = exp(G_t - G_s), [B, H, T, T(, K)] from G [B, H, T(, K)], zero where
+    s > t."""
     difference = cumulative.unsqueeze(3) - cumulative.unsqueeze(2)  # [t, s]: G_t - G_s
-    seq_len = log_decay.shape[2]
-    later = torch.ones(seq_len, seq_len, dtype=torch.bool, device=log_decay.device).triu(1)  # s > t
-    if log_decay.dim() == 4:
+    seq_len = cumulative.shape[2]
+    later = torch.ones(seq_len, seq_len, dtype=torch.bool, device=cumulative.device).triu(1)  # s > t
+    if cumulative.dim() == 4:
         later = later[..., None]
-    between = difference.masked_fill(later, float("-inf")).exp()
-    return cumulative.exp(), to_end, between
+    return difference.masked_fill(later, float("-inf")).exp()
 
 
 def block_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
@@ -68,30 +72,28 @@ def block_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
     query = (q.float() * scale).unflatten(2, (heads, groups)).permute(0, 2, 3, 1, 4)
     key_scores = key @ key.mT  # [B, H, T, T]: k_t . k_s
     query_scores = query @ key.mT.unsqueeze(2)  # [B, H, G, T, T]: q_t . k_s
+    # the scores above the diagonal (s > t) are never read: `tril` selects below it for the solve and the output
     if gate == "none":
-        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()
         key_from_start, key_to_end, query_from_start = key, key, query
-        query_scores = query_scores * causal
     elif gate == "scalar":
-        from_start, to_end, between = _decay_ratios(g.float().transpose(1, 2))  # [B, H, T], [B, H, T, T]
+        cumulative, from_start, to_end = _decays(g.float().transpose(1, 2))  # [B, H, T]
+        between = _decay_between(cumulative)  # [B, H, T, T]
         key_scores = key_scores * between
         query_scores = query_scores * between.unsqueeze(2)
         key_from_start, key_to_end = key * from_start.unsqueeze(-1), key * to_end.unsqueeze(-1)
         query_from_start = query * from_start[:, :, None, :, None]
     else:  # per channel: the ratios weight each key channel, inside the dot products
-        log_decay = g.float().transpose(1, 2)  # [B, H, T, K]
-        cumulative = log_decay.cumsum(2)
-        from_start, to_end = cumulative.exp(), (cumulative[:, :, -1:] - cumulative).exp()
+        cumulative, from_start, to_end = _decays(g.float().transpose(1, 2))  # [B, H, T, K]
         if float(cumulative.detach().abs().max()) <= FACTORED_LOG_DECAY:
-            # c_t / c_s = c_t * (1 / c_s), both factors within e^+-60: two matmuls, exact to float32 rounding
+            # c_t / c_s = c_t * (1 / c_s), both factors within e^+-60: two matmuls, exact to float32 rounding (above
+            # the diagonal the products are ratios above 1, up to inf, and never read)
             key_scores = (key * from_start) @ (key / from_start).mT
             query_scores = (query * from_start.unsqueeze(2)) @ (key / from_start).mT.unsqueeze(2)
         else:  # a steeper decay: the ratios themselves, [B, H, T, T, K]
-            between = _decay_ratios(log_decay)[2]
+            between = _decay_between(cumulative)
             key_scores = torch.einsum("bhtk,bhsk,bhtsk->bhts", key, key, between)
             query_scores = torch.einsum("bhgtk,bhsk,bhtsk->bhgts", query, key, between)
-        key_scores = key_scores.tril()  # (s > t holds ratios above 1, unused)
-        query_scores = query_scores.tril()
+        key_scores = key_scores.tril()  # before `b *` below: an inf above the diagonal would make b's gradient NaN
         key_from_start, key_to_end = key * from_start, key * to_end
         query_from_start = query * from_start.unsqueeze(2)
     # (I + A) U = b (V - diag(c) K S_0), A strictly lower: A[t, s] = b_t (c_t / c_s) k_t . k_s
