@@ -87,8 +87,9 @@ def block_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
         if float(cumulative.detach().abs().max()) <= FACTORED_LOG_DECAY:
             # c_t / c_s = c_t * (1 / c_s), both factors within e^+-60: two matmuls, exact to float32 rounding (above
             # the diagonal the products are ratios above 1, up to inf, and never read)
-            key_scores = (key * from_start) @ (key / from_start).mT
-            query_scores = (query * from_start.unsqueeze(2)) @ (key / from_start).mT.unsqueeze(2)
+            key_to_start = key * (-cumulative).exp()  # k_s / c_s, as exp(-G) so its gradient stays within e^60
+            key_scores = (key * from_start) @ key_to_start.mT
+            query_scores = (query * from_start.unsqueeze(2)) @ key_to_start.mT.unsqueeze(2)
         else:  # a steeper decay: the ratios themselves, [B, H, T, T, K]
             between = _decay_between(cumulative)
             key_scores = torch.einsum("bhtk,bhsk,bhtsk->bhts", key, key, between)

@@ -95,3 +95,23 @@ def test_per_channel_decays_by_ratios_and_by_factors_agree(monkeypatch, limit):
     o_want, final_want = delta_rule_reference(q, k, v, beta, g, initial_state=state_like())
     assert_close(o, o_want)
     assert_close(final, final_want)
+
+
+def test_gradients_stay_finite_near_the_factored_limit():
+    """A per-channel decay whose block total nears e^-60 still takes the factored scores; their gradients equal the
+    reference's (1 / c_s is formed as exp(-G), whose derivative stays within e^60, not as a division, whose
+    derivative 1 / c_s^2 overflows float32)."""
+    from delta_attention.modeling.delta_block import FACTORED_LOG_DECAY
+
+    q, k, v, beta, _ = delta_rule_inputs("channel", seq_len=12, seed=7)
+    g = torch.full((*k.shape[:3], k.shape[-1]), -0.99 * FACTORED_LOG_DECAY / 12)
+    weights = torch.randn(2, 12, 3, 8, generator=torch.Generator().manual_seed(8))
+
+    def gradients(kernel):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v, beta, g, state_like())]
+        o, final = kernel(*leaves[:5], initial_state=leaves[5])
+        ((o * weights).sum() + final.square().sum()).backward()
+        return [leaf.grad for leaf in leaves]
+
+    for got, want in zip(gradients(block_delta_rule), gradients(delta_rule_reference), strict=True):
+        assert_close(got, want, 1e-4)
