@@ -59,6 +59,7 @@ def test_the_default_training_precision_follows_the_cpu(tmp_path, cpu_bf16, nati
         return causal_lm_loss(model, input_ids)
 
     assert TrainingOptions().mixed_precision == "auto"
+    assert TrainingOptions().precision() == ("bf16" if native else "no")  # what distill records in its recipe
     train(tmp_path, TrainingOptions(batch_size=4), loss=loss, max_tokens=2 * 4 * BLOCKS.shape[1])
     assert seen == [native, native]
 

@@ -27,7 +27,6 @@ from ..evaluation.agreement import AgreementSettings, agreement_inputs, agreemen
 from ..evaluation.perplexity import perplexity
 from ..loading import check_model_spec, load_model
 from ..output_folder import check_output_folder, on_main_process, open_run_folder_once
-from ..precision import resolve_mixed_precision
 from ..publishing.cards import distilled_card, results_table
 from ..saving import atomic_save, save_model_and_tokenizer, write_text_atomically
 from .lora import LoraOptions, lora_config
@@ -278,7 +277,7 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
     layers = delta_layer_indices(student)
     results.update(recipe={"stages": sorted(stages), "seq_len": data.seq_len, "dataset": data.dataset,
                            "batch_size": training.batch_size,
-                           "mixed_precision": resolve_mixed_precision(training.mixed_precision, teacher.device)})
+                           "mixed_precision": training.precision()})
 
     stage1_model = out / "stage1" / "model"
     if 1 in stages:

@@ -66,6 +66,11 @@ class TrainingOptions:
     resume: bool = dataclasses.field(default=False, metadata={"help": "continue from the latest checkpoints"})
     log_every_steps: int = dataclasses.field(default=1, metadata={"help": "metrics line every N steps"})
 
+    def precision(self) -> str:
+        """The mixed precision the loop runs: `mixed_precision`, with "auto" resolved for the device it trains on
+        (bf16 where that has native bf16 matmuls, "no" elsewhere)."""
+        return resolve_mixed_precision(self.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu")
+
     def validate(self) -> None:
         """Raise ValueError naming the first option out of range and what it accepts."""
         whole = lambda value, least: isinstance(value, int) and value >= least  # noqa: E731
@@ -285,7 +290,7 @@ def run_training(
     if not (isinstance(max_tokens, int) and max_tokens > 0):
         raise ValueError(f"the token budget of {description} must be a positive number of tokens, got {max_tokens!r}")
     output_dir = Path(output_dir)
-    precision = resolve_mixed_precision(options.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu")
+    precision = options.precision()
     state = AcceleratorState._shared_state
     if state and state.get("_mixed_precision") != precision and "LOCAL_RANK" not in os.environ:
         # one process, a new precision (e.g. a second run in the same Python session): accelerate keeps its
