@@ -6,7 +6,8 @@ per KV head). Each is converted from the offline GGUF (calibrated init), distill
 time-budget logic (optionally with the long-context stage 3), then measured beside the teacher:
 
 - held-out perplexity at `--seq_len` context, in-domain and cross-domain, from the distillation report;
-- perplexity per position bucket over one long held-out document (`evaluate`'s `long_ppl`);
+- perplexity per position bucket over one long held-out document (`evaluate`'s `long_ppl`), read whole and in
+  independent pieces of `--long_reset_window` tokens (whole / reset per bucket: does the long context help?);
 - passkey accuracy per prompt length (over `--passkey_depths`);
 - cache bytes and decode ms/token after `--decode_contexts` tokens of context (prefilled in pieces).
 
@@ -46,6 +47,9 @@ class BenchLongContextOptions(BenchDistillOptions):
     long_max_tokens: int = dataclasses.field(default=65_536, metadata={"help": "length of the long document"})
     long_buckets: str = dataclasses.field(default="0,2048,8192,32768,65536", metadata={"help": "position buckets"})
     long_piece: int = dataclasses.field(default=1024, metadata={"help": "tokens per forward of the long document"})
+    long_reset_window: int = dataclasses.field(default=2048, metadata={
+        "help": "also read the document in independent pieces of this many tokens: whole / reset perplexity per "
+                "bucket (0 = off)"})
     passkey_lengths: str = dataclasses.field(default="1024,4096,16384,65536", metadata={"help": "passkey lengths"})
     passkey_depths: str = dataclasses.field(default="0.1,0.5,0.9", metadata={"help": "relative needle depths"})
     decode_contexts: str = dataclasses.field(default="1024,65536,1048576", metadata={"help": "decode contexts"})
@@ -86,7 +90,8 @@ def measure(model, tokenizer, texts: list[str], options: BenchLongContextOptions
     limit = max_context or max(_ints(options.decode_contexts) + _ints(options.passkey_lengths))
     return {
         "long_ppl": long_perplexity(model, tokenizer, texts, options.long_max_tokens,
-                                    parse_buckets(options.long_buckets), options.long_piece),
+                                    parse_buckets(options.long_buckets), options.long_piece,
+                                    reset_window=options.long_reset_window),
         "passkey": passkey_accuracy(model, tokenizer, [n for n in _ints(options.passkey_lengths) if n <= limit],
                                     parse_depths(options.passkey_depths)),
         "decode": [decode_speed(model, context, options.decode_new_tokens)
@@ -175,6 +180,16 @@ def markdown(report: dict) -> str:
         ratio = f"{short / r['teacher_ppl']:.2f}x" if r else "1.00x"
         cells = [_ppl(b["perplexity"]) for b in m["long_ppl"]["buckets"]]
         lines.append(f"| {name} | {_ppl(short)} | {ratio} | {_ppl(cross)} | " + " | ".join(cells) + " |")
+    if all("reset" in m["long_ppl"] for _, _, m in rows):
+        lines += ["", f"Whole document / reset every {teacher['long_ppl']['reset']['window']:,} tokens (independent "
+                  "pieces, each from an empty cache): below 1x the longer context helps, above 1x it hurts.", "",
+                  "| model | " + " | ".join(f"whole / reset {b}" for b in buckets) + " |",
+                  "|---" * (1 + len(buckets)) + "|"]
+        for name, _, m in rows:
+            cells = ["-" if b["context_ratio"] is None else
+                     f"{b['perplexity']:.2f} / {b['reset_perplexity']:.2f} ({b['context_ratio']:.2f}x)"
+                     for b in m["long_ppl"]["buckets"]]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "| model | " + " | ".join(f"passkey {n:,}" for n in lengths) + " | "
               + " | ".join(f"cache / ms per token at {c:,}" for c in contexts) + " |",
               "|---" * (1 + len(lengths) + len(contexts)) + "|"]

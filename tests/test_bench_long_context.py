@@ -34,6 +34,28 @@ def test_tables_put_each_figure_in_its_column():
     assert "| hybrid-sliding | 50% | 0% | 3.0 MiB / 30.0 | 3.0 MiB / 31.0 |" in lines
 
 
+def test_whole_over_reset_table_when_the_reset_reading_ran():
+    def with_reset(measured, whole, reset):
+        measured["long_ppl"]["reset"] = {"window": 2048}
+        for bucket, w, r in zip(measured["long_ppl"]["buckets"], whole, reset):
+            bucket.update(perplexity=w, reset_perplexity=r, context_ratio=None if w is None else w / r)
+        return measured
+
+    report = {
+        "threads": 2, "minutes_per_model": 20, "attention_window": 1024, "stage3_tokens": 0,
+        "teacher_finetune_tokens_per_s": 100.0,
+        "teacher": with_reset(_measured([20.0, 40.0], {}, []), [20.0, 40.0], [20.0, 10.0]),
+        "models": {"hybrid-sliding": {
+            "teacher_ppl": 20.0, "teacher_crossdomain_ppl": 30.0, "stage2": {"heldout_ppl": 23.0},
+            "long_context": with_reset(_measured([24.0, None], {}, []), [24.0, None], [24.0, None])}},
+    }
+    lines = markdown(report).splitlines()
+    assert "| model | whole / reset 0-2048 | whole / reset 2048-8192 |" in lines
+    assert "| teacher | 20.00 / 20.00 (1.00x) | 40.00 / 10.00 (4.00x) |" in lines
+    assert "| hybrid-sliding | 24.00 / 24.00 (1.00x) | - |" in lines
+    assert any("reset every 2,048 tokens" in line for line in lines)
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("variants", "hybrid,quadratic", "unknown ['quadratic']"),
     ("attention_window", 0, "--attention_window must be a positive"),
@@ -43,6 +65,7 @@ def test_tables_put_each_figure_in_its_column():
     ("passkey_lengths", "many", "--passkey_lengths"),
     ("long_max_tokens", 1, "--long_max_tokens must be at least 2"),
     ("long_piece", 0, "--long_piece must be at least 1"),
+    ("long_reset_window", -2, "--long_reset_window must be 0"),
 ])
 def test_bad_options_fail_before_any_work(field, value, message):
     options = BenchLongContextOptions(**{field: value})

@@ -2,6 +2,7 @@
 needle sits exactly at its depth on the token ids, the report shows absent buckets, bad specs get one line."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -52,6 +53,49 @@ def test_one_pass_in_pieces_scores_every_token_once_as_one_forward(kind, piece_s
     torch.testing.assert_close(nlls, by_hand, rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(full_forward_nlls(model, ids), by_hand, rtol=1e-5, atol=1e-6)
     assert cache.get_seq_length() == 150
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("window", [7, 64])
+def test_reset_reading_scores_each_piece_from_an_empty_cache(kind, window):
+    """Token t of the reset reading sees only its own piece; a piece's first token is scored by the previous
+    piece's last logits (each piece's logits from a fresh forward, no cache)."""
+    model = MODELS[kind]()
+    ids = random_ids(150, seed=2)
+    by_hand = torch.empty(149)
+    with torch.no_grad():
+        for start in range(0, 150, window):
+            piece = ids[start : start + window]
+            logp = model(piece[None], use_cache=False).logits[0].log_softmax(-1)  # fresh: no earlier piece
+            for j in range(len(piece) - 1):
+                by_hand[start + j] = -logp[j, piece[j + 1]]
+            if start + len(piece) < 150:  # the next piece's first token, scored by this piece's last logits
+                by_hand[start + len(piece) - 1] = -logp[-1, ids[start + len(piece)]]
+    nlls, cache = token_nlls(model, ids, window, reset=True)
+    torch.testing.assert_close(nlls, by_hand, rtol=1e-5, atol=2e-5)
+    last_start = range(0, 150, window)[-1]
+    assert cache.get_seq_length() == 150 - last_start  # the last piece's cache only
+    whole = token_nlls(model, ids, window)[0]
+    assert not torch.allclose(nlls[window:], whole[window:], atol=1e-4)  # the carried context changes the scores
+
+
+def test_context_ratio_is_whole_over_reset_per_bucket_and_one_when_the_reset_covers_the_document():
+    tokenizer = tiny_tokenizer()
+    model, edges = MODELS["hybrid"](), parse_buckets("0,40,120,256")
+    result = long_perplexity(model, tokenizer, [TEXT], 200, edges, piece_size=32, progress=False, reset_window=50)
+    ids = long_document(tokenizer, [TEXT], 200)
+    reset = bucket_means(token_nlls(model, ids, 50, reset=True)[0], edges)
+    assert result["reset"]["window"] == 50 and result["reset"]["buckets"] == reset
+    for bucket, fresh in zip(result["buckets"], reset):
+        assert bucket["reset_perplexity"] == fresh["perplexity"]
+        assert bucket["context_ratio"] == pytest.approx(math.exp(bucket["nll"] - fresh["nll"]), rel=1e-9)
+    assert result["buckets"][0]["context_ratio"] == pytest.approx(1.0, abs=1e-4)  # positions < 40 see the same tokens
+    covering = long_perplexity(model, tokenizer, [TEXT], 200, edges, piece_size=32, progress=False, reset_window=256)
+    assert [b["context_ratio"] for b in covering["buckets"]] == pytest.approx([1.0, 1.0, 1.0], abs=1e-4)
+    short = long_perplexity(model, tokenizer, [TEXT], 100, edges + [512], piece_size=32, progress=False,
+                            reset_window=50)
+    assert short["buckets"][-1]["context_ratio"] is None and short["buckets"][-1]["reset_perplexity"] is None
+    assert "reset" not in long_perplexity(model, tokenizer, [TEXT], 100, edges, 32, progress=False)
 
 
 def test_buckets_hold_the_tokens_at_their_positions_and_absent_ones_stay_absent():
@@ -174,4 +218,30 @@ def test_bad_bucket_specs_give_one_clear_line(spec, problem, folders, capsys):
     assert err.strip().splitlines() == [f"delta-attention evaluate: error: --long_buckets {spec!r} {problem}; give "
                                         f"increasing token positions, at least two, such as "
                                         f"--long_buckets 0,2048,8192,32768,65536"]
+    assert not (folders / "never").exists()
+
+
+def test_report_says_per_bucket_whether_the_long_context_helps(folders, tmp_path):
+    options = EvaluateOptions(model=str(folders / "model"), teacher=str(folders / "teacher"), tasks="long_ppl",
+                              dataset=str(folders / "text"), long_buckets="0,64,128,256", long_piece=48,
+                              long_reset_window=64, output_dir=str(tmp_path / "report"))
+    report = run_evaluate(options)
+    markdown = (tmp_path / "report" / "report.md").read_text()
+    assert "## Does the long context help?" in markdown and "independent pieces of 64 tokens" in markdown
+    model, teacher = (report["models"][n]["long_ppl"] for n in ("model", "teacher"))
+    cells = [f"{run['buckets'][1]['reset_perplexity']:.2f} ({run['buckets'][1]['context_ratio']:.2f}x)"
+             for run in (model, teacher)]
+    assert f"| 64-128 | {cells[0]} | {cells[1]} |" in markdown
+    assert f"| 0-64 | {model['buckets'][0]['reset_perplexity']:.2f} (1.00x) |" in markdown  # same tokens seen
+    saved = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert saved["models"]["model"]["long_ppl"]["reset"]["window"] == 64
+
+
+def test_a_negative_reset_window_is_refused_before_loading(folders, capsys):
+    code = cli_main(["evaluate", str(folders / "model"), "--long_reset_window=-1", "--output_dir",
+                     str(folders / "never")])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert err.strip().splitlines() == ["delta-attention evaluate: error: --long_reset_window must be 0 (off) or a "
+                                        "number of tokens, got -1"]
     assert not (folders / "never").exists()

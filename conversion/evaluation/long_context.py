@@ -11,6 +11,12 @@ document, and it keeps going past its `max_position_embeddings` (RoPE positions 
 A bucket `[a, b)` holds the tokens at positions `a <= t < b` of the document, `t` being the token's index (the
 number of tokens of context before it); position 0 is never scored. A bucket that starts at or beyond the
 document's length is reported as absent (`tokens` 0, `nll`/`perplexity` None), never as zero.
+
+A bucket's perplexity mixes two things: how well the model uses a long context, and how hard the text at those
+positions is (the document is several documents joined). The reset reading (`reset_window`) separates them: the
+same document read in independent pieces of `reset_window` tokens, each from an empty cache, so no token sees more
+than that much context. Per bucket, whole / reset below 1 says the longer context helps the model; above 1, that
+it hurts it (a state that drifts past the lengths it was trained on, a softmax layer past its trained positions).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from ..memory import cache_bytes, human_bytes
 from delta_attention.modeling.delta_prefill import release_freed_memory
 
 DEFAULT_BUCKETS = "0,2048,8192,32768,65536"
+DEFAULT_RESET_WINDOW = 2048
 BUCKETS_HINT = "give increasing token positions, at least two, such as --long_buckets 0,2048,8192,32768,65536"
 
 
@@ -63,6 +70,8 @@ def check_long_context_options(options) -> None:
                          f"got {options.long_max_tokens}")
     if options.long_piece < 1:
         raise ValueError(f"--long_piece must be at least 1 token, got {options.long_piece}")
+    if options.long_reset_window < 0:
+        raise ValueError(f"--long_reset_window must be 0 (off) or a number of tokens, got {options.long_reset_window}")
 
 
 def long_document(tokenizer, texts, max_tokens: int) -> torch.Tensor:
@@ -81,12 +90,17 @@ def long_document(tokenizer, texts, max_tokens: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def token_nlls(model, input_ids: torch.Tensor, piece_size: int = 1024, progress: bool = False):
+def token_nlls(model, input_ids: torch.Tensor, piece_size: int = 1024, progress: bool = False,
+               reset: bool = False):
     """NLL (nats, float32) of every token after the first of `input_ids` `[T]`, in one left-to-right pass.
 
     The ids run through the model `piece_size` at a time with the cache carried between pieces; the last logits
     of a piece score the first token of the next. Returns `(nlls [T - 1], cache)`: `nlls[i]` is the NLL of token
     `i + 1`; the cache is the one the whole document filled. Equal to `full_forward_nlls` (one call, no cache).
+
+    `reset=True` starts every piece from an empty cache instead (the reset reading): a token then sees only the
+    tokens before it in its own piece, and the first token of a piece is still scored by the previous piece's last
+    logits; the cache returned is the last piece's.
     """
     if piece_size < 1:
         raise ValueError(f"--long_piece must be at least 1, got {piece_size}")
@@ -96,7 +110,7 @@ def token_nlls(model, input_ids: torch.Tensor, piece_size: int = 1024, progress:
     cache, carried = None, None  # carried: [vocab] logits of the last token of the previous piece
     for start in tqdm(range(0, length, piece_size), desc="long_ppl", disable=not progress, leave=False):
         piece = input_ids[start : start + piece_size].to(device)  # [P]
-        out = model(input_ids=piece[None], cache=cache, use_cache=True)
+        out = model(input_ids=piece[None], cache=None if reset else cache, use_cache=True)
         cache = out.cache
         logits = out.logits[0].float()  # [P, vocab]; row j predicts token start + j + 1
         if carried is not None:  # the previous piece's last logits predict this piece's first token
@@ -141,16 +155,29 @@ def trained_context(model) -> int | None:
 
 
 def long_perplexity(model, tokenizer, texts, max_tokens: int = 65536, edges: list[int] | None = None,
-                    piece_size: int = 1024, progress: bool = True) -> dict:
+                    piece_size: int = 1024, progress: bool = True, reset_window: int = 0) -> dict:
     """Perplexity per position bucket over `texts` joined into one document of at most `max_tokens` tokens.
 
-    Also the overall NLL and the cache bytes the model holds at the end of the pass."""
+    Also the overall NLL and the cache bytes the model holds at the end of the pass. With `reset_window > 0`,
+    `reset` holds the same figures for the reset reading (pieces of `reset_window` tokens, each from an empty
+    cache) and every bucket its `reset_perplexity` and `context_ratio` (whole / reset perplexity)."""
     edges = parse_buckets(DEFAULT_BUCKETS) if edges is None else edges
     ids = long_document(tokenizer, texts, max_tokens)
     nlls, cache = token_nlls(model, ids, piece_size, progress)
     nll = nlls.double().mean().item()
-    return {"tokens": ids.numel(), "nll": nll, "perplexity": math.exp(nll), "buckets": bucket_means(nlls, edges),
-            "cache_bytes": cache_bytes(cache), "piece_size": piece_size}
+    result = {"tokens": ids.numel(), "nll": nll, "perplexity": math.exp(nll), "buckets": bucket_means(nlls, edges),
+              "cache_bytes": cache_bytes(cache), "piece_size": piece_size}
+    del cache
+    if reset_window:
+        reset_nlls = token_nlls(model, ids, reset_window, progress, reset=True)[0]
+        reset_nll = reset_nlls.double().mean().item()
+        result["reset"] = {"window": reset_window, "nll": reset_nll, "perplexity": math.exp(reset_nll),
+                           "buckets": bucket_means(reset_nlls, edges)}
+        for bucket, reset_bucket in zip(result["buckets"], result["reset"]["buckets"]):
+            present = bucket["tokens"] > 0
+            bucket["reset_perplexity"] = reset_bucket["perplexity"]
+            bucket["context_ratio"] = math.exp(bucket["nll"] - reset_bucket["nll"]) if present else None
+    return result
 
 
 def _position(n: int) -> str:
@@ -164,6 +191,31 @@ def _bucket_cell(bucket: dict, trained: int | None) -> str:
     if bucket["tokens"] < bucket["end"] - max(bucket["start"], 1):
         cell += f" ({bucket['tokens']:,} tokens)"
     return cell + (" *" if trained is not None and bucket["end"] > trained else "")
+
+
+def _context_cell(bucket: dict) -> str:
+    if not bucket["tokens"]:
+        return "absent"
+    return f"{bucket['reset_perplexity']:.2f} ({bucket['context_ratio']:.2f}x)"
+
+
+def context_effect_markdown(names: list[str], runs: list[dict]) -> list[str]:
+    """Markdown lines: per bucket, each model's reset-reading perplexity and whole / reset (`long_ppl` with
+    `reset_window`)."""
+    window = runs[0]["reset"]["window"]
+    head = "| | " + " | ".join(names) + " |\n|---|" + "---|" * len(names) + "\n"
+    rows = "".join(
+        f"| {_position(b['start'])}-{_position(b['end'])} | "
+        + " | ".join(_context_cell(run["buckets"][k]) for run in runs) + " |\n"
+        for k, b in enumerate(runs[0]["buckets"]))
+    rows += "| all | " + " | ".join(
+        f"{run['reset']['perplexity']:.2f} ({run['perplexity'] / run['reset']['perplexity']:.2f}x)"
+        for run in runs) + " |\n"
+    return ["## Does the long context help?", "",
+            f"the same document read in independent pieces of {window:,} tokens, each from an empty cache: perplexity "
+            f"per bucket, and in brackets the whole reading's over it (below 1x: the context beyond {window:,} tokens "
+            "helps the model; above 1x: it hurts it). The reset reading also shows how hard the text of each bucket "
+            "is, whatever the model's context.", "", head + rows]
 
 
 def long_context_markdown(names: list[str], results: list[dict]) -> list[str]:
@@ -188,6 +240,8 @@ def long_context_markdown(names: list[str], results: list[dict]) -> list[str]:
                   f"{runs[0]['piece_size']:,} tokens through the cache; a bucket holds the tokens at those positions; "
                   "absent: the document ends before the bucket; * the bucket reaches past the model's trained context",
                   "", head + rows + trained_row]
+        if all("reset" in run for run in runs):
+            lines += context_effect_markdown(names, runs)
     if all("passkey_by_depth" in r for r in results):
         grids = [r["passkey_by_depth"] for r in results]
         rows = "".join(
@@ -208,6 +262,7 @@ def long_context_markdown(names: list[str], results: list[dict]) -> list[str]:
     return lines
 
 
-__all__ = ["DEFAULT_BUCKETS", "bucket_means", "check_long_context_options", "full_forward_nlls",
+__all__ = ["DEFAULT_BUCKETS", "DEFAULT_RESET_WINDOW", "bucket_means", "check_long_context_options",
+           "context_effect_markdown", "full_forward_nlls",
            "long_context_markdown", "long_document", "long_perplexity", "parse_buckets", "parse_depths", "token_nlls",
            "trained_context"]

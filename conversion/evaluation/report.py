@@ -13,8 +13,8 @@ import torch
 
 from .agreement import (DEFAULT_AGREEMENT_DATASET, AgreementSettings, agreement_inputs, agreement_markdown,
                         compare_outputs, model_outputs)
-from .long_context import (DEFAULT_BUCKETS, check_long_context_options, long_context_markdown, long_perplexity,
-                           parse_buckets, parse_depths, trained_context)
+from .long_context import (DEFAULT_BUCKETS, DEFAULT_RESET_WINDOW, check_long_context_options, long_context_markdown,
+                           long_perplexity, parse_buckets, parse_depths, trained_context)
 from .peak_memory import task_peak_memory
 from .perplexity import perplexity_of_texts
 from .tasks import decode_speed, mean_over_depths, passkey_grid
@@ -45,6 +45,9 @@ class EvaluateOptions:
         "help": "long_ppl: edges of the position buckets (0,2048,... = 0-2k, 2k-8k, ...)"})
     long_piece: int = dataclasses.field(default=1024, metadata={
         "help": "long_ppl: tokens per forward call, the cache carried between them"})
+    long_reset_window: int = dataclasses.field(default=DEFAULT_RESET_WINDOW, metadata={
+        "help": "long_ppl: also read the document in independent pieces of this many tokens (each from an empty "
+                "cache) and report per bucket whole / reset perplexity: does the longer context help? (0 = off)"})
     passkey_lengths: str = dataclasses.field(default="1024,4096,16384,65536",
                                              metadata={"help": "prompt lengths in tokens"})
     passkey_depths: str = dataclasses.field(default="0.1,0.5,0.9", metadata={"help": "relative needle depths"})
@@ -107,7 +110,8 @@ def evaluate_model(model, tokenizer, options: EvaluateOptions, texts: list[str] 
     if "long_ppl" in tasks:
         with task_peak_memory(result, "long_ppl", device):
             result["long_ppl"] = long_perplexity(model, tokenizer, texts, options.long_max_tokens,
-                                                 parse_buckets(options.long_buckets), options.long_piece)
+                                                 parse_buckets(options.long_buckets), options.long_piece,
+                                                 reset_window=options.long_reset_window)
     if "passkey" in tasks:
         with task_peak_memory(result, "passkey", device):
             depths = parse_depths(options.passkey_depths)
