@@ -43,7 +43,12 @@ class BenchLongContextOptions(BenchDistillOptions):
     output_dir: str = dataclasses.field(default="results/long-context", metadata={"help": "results folder"})
     variants: str = dataclasses.field(default=",".join(VARIANTS), metadata={"help": f"subset of {list(VARIANTS)}"})
     attention_window: int = dataclasses.field(default=1024, metadata={"help": "window of hybrid-sliding's layers"})
-    stage3_tokens: int = dataclasses.field(default=0, metadata={"help": "long-context stage 3 tokens (0 = no stage 3)"})
+    stage3_share: float = dataclasses.field(default=0.0, metadata={
+        "help": "share of --minutes_per_model spent in the long-context stage 3 (its speed probed like the other "
+                "stages'; stages 1 and 2 split the rest by --stage1_share); 0 = no stage 3"})
+    stage3_tokens: int = dataclasses.field(default=0, metadata={
+        "help": "a fixed stage-3 token budget instead of --stage3_share (outside the time budget; 0 = none)"})
+    stage3_seq_len: int = dataclasses.field(default=2048, metadata={"help": "tokens per stage-3 block"})
     long_max_tokens: int = dataclasses.field(default=65_536, metadata={"help": "length of the long document"})
     long_buckets: str = dataclasses.field(default="0,2048,8192,32768,65536", metadata={"help": "position buckets"})
     long_piece: int = dataclasses.field(default=1024, metadata={"help": "tokens per forward of the long document"})
@@ -68,6 +73,14 @@ def check_options(options: BenchLongContextOptions) -> list[str]:
     unknown = [name for name in variants if name not in VARIANTS]
     if unknown or not variants:
         raise ValueError(f"--variants {options.variants!r}: unknown {unknown}; choose from {list(VARIANTS)}")
+    if not 0.0 <= options.stage3_share < 1.0:
+        raise ValueError(f"--stage3_share must be at least 0 and below 1 (a share of --minutes_per_model), "
+                         f"got {options.stage3_share}")
+    if options.stage3_share and options.stage3_tokens:
+        raise ValueError("give --stage3_share (a share of the time budget) or --stage3_tokens (a fixed budget), "
+                         "not both")
+    if options.stage3_seq_len < 2:
+        raise ValueError(f"--stage3_seq_len must be at least 2, got {options.stage3_seq_len}")
     if options.attention_window < 1:
         raise ValueError(f"--attention_window must be a positive number of tokens, got {options.attention_window}")
     check_long_context_options(options)  # buckets, depths, document length and piece size, as `evaluate` checks them
@@ -79,6 +92,31 @@ def check_options(options: BenchLongContextOptions) -> list[str]:
         if not values or min(values) < 1:
             raise ValueError(f"--{name} {getattr(options, name)!r} must be positive token counts, such as 1024,4096")
     return variants
+
+
+def stage3_budget(folder: Path, converted: Path, teacher: str, data, training,
+                  options: BenchLongContextOptions) -> tuple[dict, BenchLongContextOptions, float | None]:
+    """Stage 3's `distill` options, the options stages 1 and 2 then run under, and stage 3's probed tokens/s.
+
+    `--stage3_share` probes stage 3 on the converted model (a few blocks of `--stage3_seq_len`), gives it that share
+    of the time budget and leaves stages 1 and 2 the rest; `--stage3_tokens` is a fixed budget beside the time
+    budget; neither: no stage 3."""
+    from delta_attention.conversion.training.distill import DistillOptions, run_distill
+    from delta_attention.conversion.training.metrics import read_metrics
+
+    if not options.stage3_share and not options.stage3_tokens:
+        return {}, options, None
+    tokens, speed, seq_len = options.stage3_tokens, None, options.stage3_seq_len
+    if not tokens:
+        probe = folder / "probe3"
+        run_distill(DistillOptions(student=str(converted), teacher=teacher, output_dir=str(probe), overwrite=True,
+                                   stages="3", stage3_tokens=(options.probe_steps + 1) * seq_len,
+                                   stage3_seq_len=seq_len, eval_tokens=0), data, training)
+        speed = read_metrics(probe / "stage3" / "metrics.jsonl")[-1]["tokens_per_s"]
+        print(f"{folder.name} stage 3: {speed:.0f} tokens/s")
+        tokens = max(seq_len, int(speed * options.minutes_per_model * 60 * options.stage3_share) // seq_len * seq_len)
+        options = dataclasses.replace(options, minutes_per_model=options.minutes_per_model * (1 - options.stage3_share))
+    return {"stages": "1,2,3", "stage3_tokens": tokens, "stage3_seq_len": seq_len}, options, speed
 
 
 def measure(model, tokenizer, texts: list[str], options: BenchLongContextOptions,
@@ -123,12 +161,12 @@ def run(options: BenchLongContextOptions) -> int:
     bf16 = options.mixed_precision == "bf16"
     report = {"threads": torch.get_num_threads(), "minutes_per_model": options.minutes_per_model,
               "attention_window": options.attention_window, "stage3_tokens": options.stage3_tokens,
+              "stage3_share": options.stage3_share, "stage3_seq_len": options.stage3_seq_len,
               "teacher_finetune_tokens_per_s": teacher_finetune_speed(source.model, blocks, options.probe_steps, bf16),
               "models": {}}
     with torch.no_grad():
         report["teacher"] = measure(source.model.eval(), source.tokenizer, texts, options, options.teacher_max_context)
     training = TrainingOptions(batch_size=options.batch_size, mixed_precision=options.mixed_precision)
-    extra = {"stages": "1,2,3", "stage3_tokens": options.stage3_tokens} if options.stage3_tokens else {}
 
     for name in variants:
         settings = dict(VARIANTS[name])
@@ -137,7 +175,9 @@ def run(options: BenchLongContextOptions) -> int:
         converted = out / name / "converted"
         if not converted.is_dir():
             convert(source, out=converted, settings=ConversionSettings(dtype="float32", **settings))
-        results = distill_in_budget(out / name, converted, gguf, data, training, options, **extra)
+        extra, budget_options, stage3_speed = stage3_budget(out / name, converted, gguf, data, training, options)
+        results = distill_in_budget(out / name, converted, gguf, data, training, budget_options, **extra)
+        results["stage3_probe_tokens_per_s"] = stage3_speed
         model, tokenizer = load_model(str(out / name / "run" / "model"))
         with torch.no_grad():
             results["long_context"] = measure(model.float().eval(), tokenizer, texts, options)
@@ -167,19 +207,26 @@ def markdown(report: dict) -> str:
     buckets = [f"{b['start']}-{b['end']}" for b in teacher["long_ppl"]["buckets"]]
     lengths = sorted({int(n) for _, _, m in rows for n in m["passkey"]})
     contexts = sorted({d["context"] for _, _, m in rows for d in m["decode"]})
-    lines = [f"Threads: {report['threads']}; {report['minutes_per_model']:g} min of distillation per model; "
-             f"sliding window {report['attention_window']}; stage 3: {report['stage3_tokens']:,} tokens. Teacher full "
-             f"fine-tuning: {report['teacher_finetune_tokens_per_s']:.0f} tokens/s.", "",
+    if report.get("stage3_share"):
+        stage3 = f"{report['stage3_share']:.0%} of it in stage 3 (blocks of {report['stage3_seq_len']:,})"
+    else:
+        stage3 = f"stage 3: {report['stage3_tokens']:,} tokens"
+    lines = [f"Threads: {report['threads']}; {report['minutes_per_model']:g} min of distillation per model, {stage3}; "
+             f"sliding window {report['attention_window']}. Teacher full fine-tuning: "
+             f"{report['teacher_finetune_tokens_per_s']:.0f} tokens/s. Held-out and cross-domain perplexity after the "
+             "last stage.", "",
              "| model | held-out ppl | vs teacher | cross-domain ppl | "
-             + " | ".join(f"ppl {b}" for b in buckets) + " |",
-             "|---" * (4 + len(buckets)) + "|"]
+             + " | ".join(f"ppl {b}" for b in buckets) + " | tokens (1 + 2 + 3) |",
+             "|---" * (5 + len(buckets)) + "|"]
     for name, r, m in rows:
-        short = r["stage2"]["heldout_ppl"] if r else next(iter(report["models"].values()), {}).get("teacher_ppl")
-        cross = r["stage2"].get("crossdomain_ppl") if r else next(
+        last = (r.get("stage3") or r["stage2"]) if r else None
+        short = last["heldout_ppl"] if r else next(iter(report["models"].values()), {}).get("teacher_ppl")
+        cross = last.get("crossdomain_ppl") if r else next(
             iter(report["models"].values()), {}).get("teacher_crossdomain_ppl")
         ratio = f"{short / r['teacher_ppl']:.2f}x" if r else "1.00x"
         cells = [_ppl(b["perplexity"]) for b in m["long_ppl"]["buckets"]]
-        lines.append(f"| {name} | {_ppl(short)} | {ratio} | {_ppl(cross)} | " + " | ".join(cells) + " |")
+        tokens = " + ".join(f"{r[f'stage{k}']['tokens']:,}" for k in (1, 2, 3) if f"stage{k}" in r) if r else "-"
+        lines.append(f"| {name} | {_ppl(short)} | {ratio} | {_ppl(cross)} | " + " | ".join(cells) + f" | {tokens} |")
     if all("reset" in m["long_ppl"] for _, _, m in rows):
         lines += ["", f"Whole document / reset every {teacher['long_ppl']['reset']['window']:,} tokens (independent "
                   "pieces, each from an empty cache): below 1x the longer context helps, above 1x it hurts.", "",

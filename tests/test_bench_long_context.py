@@ -19,7 +19,7 @@ def test_tables_put_each_figure_in_its_column():
         "teacher": _measured([20.0, 18.0], {1024: 1.0}, [(1024, 2 ** 20, 40.0)]),
         "models": {"hybrid-sliding": {
             "teacher_ppl": 20.0, "teacher_crossdomain_ppl": 30.0,
-            "stage2": {"heldout_ppl": 23.0, "crossdomain_ppl": 36.0},
+            "stage1": {"tokens": 4096}, "stage2": {"heldout_ppl": 23.0, "crossdomain_ppl": 36.0, "tokens": 2048},
             "long_context": _measured([24.0, None], {1024: 0.5, 4096: 0.0}, [(1024, 3 * 2 ** 20, 30.0),
                                                                             (65536, 3 * 2 ** 20, 31.0)]),
         }},
@@ -27,8 +27,16 @@ def test_tables_put_each_figure_in_its_column():
     lines = markdown(report).splitlines()
     assert sum(line.startswith("| model |") for line in lines) == 2
     # first table: held-out, ratio, cross-domain, then the buckets (the student never reached the second one)
-    assert "| teacher | 20.00 | 1.00x | 30.00 | 20.00 | 18.00 |" in lines
-    assert "| hybrid-sliding | 23.00 | 1.15x | 36.00 | 24.00 | - |" in lines
+    assert "| teacher | 20.00 | 1.00x | 30.00 | 20.00 | 18.00 | - |" in lines
+    assert "| hybrid-sliding | 23.00 | 1.15x | 36.00 | 24.00 | - | 4,096 + 2,048 |" in lines
+    assert "stage 3: 0 tokens" in lines[0]
+    # with stage 3 the quality columns are the last stage's, and its tokens join the count
+    model = report["models"]["hybrid-sliding"]
+    model["stage3"] = {"heldout_ppl": 22.0, "crossdomain_ppl": 33.0, "tokens": 8192}
+    report.update(stage3_share=0.25, stage3_seq_len=2048)
+    lines = markdown(report).splitlines()
+    assert "| hybrid-sliding | 22.00 | 1.10x | 33.00 | 24.00 | - | 4,096 + 2,048 + 8,192 |" in lines
+    assert "25% of it in stage 3 (blocks of 2,048)" in lines[0]
     # second table: passkey per length (a length not measured is "-"), then cache / ms per token per context
     assert "| teacher | 100% | - | 1.0 MiB / 40.0 | - |" in lines
     assert "| hybrid-sliding | 50% | 0% | 3.0 MiB / 30.0 | 3.0 MiB / 31.0 |" in lines
@@ -46,7 +54,8 @@ def test_whole_over_reset_table_when_the_reset_reading_ran():
         "teacher_finetune_tokens_per_s": 100.0,
         "teacher": with_reset(_measured([20.0, 40.0], {}, []), [20.0, 40.0], [20.0, 10.0]),
         "models": {"hybrid-sliding": {
-            "teacher_ppl": 20.0, "teacher_crossdomain_ppl": 30.0, "stage2": {"heldout_ppl": 23.0},
+            "teacher_ppl": 20.0, "teacher_crossdomain_ppl": 30.0, "stage1": {"tokens": 1}, "stage2": {
+                "heldout_ppl": 23.0, "tokens": 1},
             "long_context": with_reset(_measured([24.0, None], {}, []), [24.0, None], [24.0, None])}},
     }
     lines = markdown(report).splitlines()
@@ -66,6 +75,9 @@ def test_whole_over_reset_table_when_the_reset_reading_ran():
     ("long_max_tokens", 1, "--long_max_tokens must be at least 2"),
     ("long_piece", 0, "--long_piece must be at least 1"),
     ("long_reset_window", -2, "--long_reset_window must be 0"),
+    ("stage3_share", 1.0, "--stage3_share must be at least 0 and below 1"),
+    ("stage3_share", -0.1, "--stage3_share must be at least 0 and below 1"),
+    ("stage3_seq_len", 1, "--stage3_seq_len must be at least 2"),
 ])
 def test_bad_options_fail_before_any_work(field, value, message):
     options = BenchLongContextOptions(**{field: value})
@@ -93,3 +105,33 @@ def test_synthesized_cache_fits_a_model_with_gqa_shared_state():
     with torch.no_grad():
         out = model(input_ids=torch.tensor([[3]]), cache=cache, use_cache=True)
     assert out.logits.shape == (1, 1, 64) and torch.isfinite(out.logits).all()
+
+
+def test_a_stage3_share_and_fixed_stage3_tokens_are_refused_together():
+    options = BenchLongContextOptions(stage3_share=0.25, stage3_tokens=4096)
+    with pytest.raises(ValueError, match="give --stage3_share .* or --stage3_tokens .*, not both"):
+        check_options(options)
+
+
+def test_stage3_share_takes_its_part_of_the_time_budget_at_the_probed_speed(monkeypatch, tmp_path):
+    from delta_attention.conversion.training import distill, metrics
+    from delta_attention.scripts.bench_long_context import stage3_budget
+
+    probes = []
+    monkeypatch.setattr(distill, "run_distill", lambda options, *args: probes.append(options))
+    monkeypatch.setattr(metrics, "read_metrics", lambda path: [{"tokens_per_s": 1.0}, {"tokens_per_s": 50.0}])
+    options = BenchLongContextOptions(minutes_per_model=20, stage3_share=0.25, stage3_seq_len=2048, probe_steps=3)
+    extra, rest, speed = stage3_budget(tmp_path / "hybrid", tmp_path / "converted", "teacher.gguf", None, None, options)
+    # 50 tokens/s for a quarter of 20 minutes: 15,000 tokens, whole blocks of 2,048 -> 14,336
+    assert speed == 50.0 and extra == {"stages": "1,2,3", "stage3_tokens": 14336, "stage3_seq_len": 2048}
+    assert rest.minutes_per_model == 15 and options.minutes_per_model == 20  # stages 1 and 2 get the rest
+    (probe,) = probes
+    assert (probe.stages, probe.stage3_seq_len, probe.stage3_tokens, probe.eval_tokens) == ("3", 2048, 4 * 2048, 0)
+    assert probe.output_dir == str(tmp_path / "hybrid" / "probe3")
+
+    fixed = BenchLongContextOptions(minutes_per_model=20, stage3_tokens=6144)
+    assert stage3_budget(tmp_path, tmp_path, "t", None, None, fixed)[:2] == (
+        {"stages": "1,2,3", "stage3_tokens": 6144, "stage3_seq_len": 2048}, fixed)
+    assert stage3_budget(tmp_path, tmp_path, "t", None, None, BenchLongContextOptions()) == (
+        {}, BenchLongContextOptions(), None)
+    assert len(probes) == 1  # no probe without a share
