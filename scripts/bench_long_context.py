@@ -7,7 +7,7 @@ time-budget logic (optionally with the long-context stage 3), then measured besi
 
 - held-out perplexity at `--seq_len` context, in-domain and cross-domain, from the distillation report;
 - perplexity per position bucket over one long held-out document (`evaluate`'s `long_ppl`), read whole and in
-  independent pieces of `--long_reset_window` tokens (whole / reset per bucket: does the long context help?);
+  independent windows of `--long_reset_window` tokens (whole / reset per bucket: does the long context help?);
 - passkey accuracy per prompt length (over `--passkey_depths`);
 - cache bytes and decode ms/token after `--decode_contexts` tokens of context (prefilled in pieces).
 
@@ -53,7 +53,7 @@ class BenchLongContextOptions(BenchDistillOptions):
     long_buckets: str = dataclasses.field(default="0,2048,8192,32768,65536", metadata={"help": "position buckets"})
     long_piece: int = dataclasses.field(default=1024, metadata={"help": "tokens per forward of the long document"})
     long_reset_window: int = dataclasses.field(default=2048, metadata={
-        "help": "also read the document in independent pieces of this many tokens: whole / reset perplexity per "
+        "help": "also read the document in independent windows of this many tokens: whole / reset perplexity per "
                 "bucket (0 = off)"})
     passkey_lengths: str = dataclasses.field(default="1024,4096,16384,65536", metadata={"help": "passkey lengths"})
     passkey_depths: str = dataclasses.field(default="0.1,0.5,0.9", metadata={"help": "relative needle depths"})
@@ -229,7 +229,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {name} | {_ppl(short)} | {ratio} | {_ppl(cross)} | " + " | ".join(cells) + f" | {tokens} |")
     if all("reset" in m["long_ppl"] for _, _, m in rows):
         lines += ["", f"Whole document / reset every {teacher['long_ppl']['reset']['window']:,} tokens (independent "
-                  "pieces, each from an empty cache): below 1x the longer context helps, above 1x it hurts.", "",
+                  "windows, each from an empty cache): below 1x the longer context helps, above 1x it hurts.", "",
                   "| model | " + " | ".join(f"whole / reset {b}" for b in buckets) + " |",
                   "|---" * (1 + len(buckets)) + "|"]
         for name, _, m in rows:

@@ -56,10 +56,10 @@ def test_one_pass_in_pieces_scores_every_token_once_as_one_forward(kind, piece_s
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
-@pytest.mark.parametrize("window", [7, 64])
-def test_reset_reading_scores_each_piece_from_an_empty_cache(kind, window):
-    """Token t of the reset reading sees only its own piece; a piece's first token is scored by the previous
-    piece's last logits (each piece's logits from a fresh forward, no cache)."""
+@pytest.mark.parametrize("window, piece_size", [(7, 7), (64, 64), (64, 5), (7, 100)])
+def test_reset_reading_scores_each_window_from_an_empty_cache(kind, window, piece_size):
+    """Token t of the reset reading sees only its own window; a window's first token is scored by the previous
+    window's last logits (each window's logits from a fresh forward, no cache), whatever the piece size."""
     model = MODELS[kind]()
     ids = random_ids(150, seed=2)
     by_hand = torch.empty(149)
@@ -71,11 +71,11 @@ def test_reset_reading_scores_each_piece_from_an_empty_cache(kind, window):
                 by_hand[start + j] = -logp[j, piece[j + 1]]
             if start + len(piece) < 150:  # the next piece's first token, scored by this piece's last logits
                 by_hand[start + len(piece) - 1] = -logp[-1, ids[start + len(piece)]]
-    nlls, cache = token_nlls(model, ids, window, reset=True)
+    nlls, cache = token_nlls(model, ids, piece_size, reset_every=window)
     torch.testing.assert_close(nlls, by_hand, rtol=1e-5, atol=2e-5)
     last_start = range(0, 150, window)[-1]
     assert cache.get_seq_length() == 150 - last_start  # the last piece's cache only
-    whole = token_nlls(model, ids, window)[0]
+    whole = token_nlls(model, ids, piece_size)[0]
     assert not torch.allclose(nlls[window:], whole[window:], atol=1e-4)  # the carried context changes the scores
 
 
@@ -84,7 +84,7 @@ def test_context_ratio_is_whole_over_reset_per_bucket_and_one_when_the_reset_cov
     model, edges = MODELS["hybrid"](), parse_buckets("0,40,120,256")
     result = long_perplexity(model, tokenizer, [TEXT], 200, edges, piece_size=32, progress=False, reset_window=50)
     ids = long_document(tokenizer, [TEXT], 200)
-    reset = bucket_means(token_nlls(model, ids, 50, reset=True)[0], edges)
+    reset = bucket_means(token_nlls(model, ids, 32, reset_every=50)[0], edges)
     assert result["reset"]["window"] == 50 and result["reset"]["buckets"] == reset
     for bucket, fresh in zip(result["buckets"], reset):
         assert bucket["reset_perplexity"] == fresh["perplexity"]
@@ -227,7 +227,7 @@ def test_report_says_per_bucket_whether_the_long_context_helps(folders, tmp_path
                               long_reset_window=64, output_dir=str(tmp_path / "report"))
     report = run_evaluate(options)
     markdown = (tmp_path / "report" / "report.md").read_text()
-    assert "## Does the long context help?" in markdown and "independent pieces of 64 tokens" in markdown
+    assert "## Does the long context help?" in markdown and "independent windows of 64 tokens" in markdown
     model, teacher = (report["models"][n]["long_ppl"] for n in ("model", "teacher"))
     cells = [f"{run['buckets'][1]['reset_perplexity']:.2f} ({run['buckets'][1]['context_ratio']:.2f}x)"
              for run in (model, teacher)]

@@ -14,7 +14,7 @@ document's length is reported as absent (`tokens` 0, `nll`/`perplexity` None), n
 
 A bucket's perplexity mixes two things: how well the model uses a long context, and how hard the text at those
 positions is (the document is several documents joined). The reset reading (`reset_window`) separates them: the
-same document read in independent pieces of `reset_window` tokens, each from an empty cache, so no token sees more
+same document read in independent windows of `reset_window` tokens, each from an empty cache, so no token sees more
 than that much context. Per bucket, whole / reset below 1 says the longer context helps the model; above 1, that
 it hurts it (a state that drifts past the lengths it was trained on, a softmax layer past its trained positions).
 """
@@ -91,26 +91,31 @@ def long_document(tokenizer, texts, max_tokens: int) -> torch.Tensor:
 
 @torch.no_grad()
 def token_nlls(model, input_ids: torch.Tensor, piece_size: int = 1024, progress: bool = False,
-               reset: bool = False):
+               reset_every: int | None = None):
     """NLL (nats, float32) of every token after the first of `input_ids` `[T]`, in one left-to-right pass.
 
     The ids run through the model `piece_size` at a time with the cache carried between pieces; the last logits
     of a piece score the first token of the next. Returns `(nlls [T - 1], cache)`: `nlls[i]` is the NLL of token
     `i + 1`; the cache is the one the whole document filled. Equal to `full_forward_nlls` (one call, no cache).
 
-    `reset=True` starts every piece from an empty cache instead (the reset reading): a token then sees only the
-    tokens before it in its own piece, and the first token of a piece is still scored by the previous piece's last
-    logits; the cache returned is the last piece's.
+    `reset_every=W` is the reset reading: the cache is emptied every `W` tokens (the pieces are cut so that none
+    crosses such a boundary), so a token sees only the tokens before it in its own `W`-token window; the first
+    token of a window is still scored by the previous window's last logits. The cache returned is the last window's.
     """
     if piece_size < 1:
         raise ValueError(f"--long_piece must be at least 1, got {piece_size}")
     device = next(model.parameters()).device
     length = int(input_ids.numel())
     nlls = torch.empty(length - 1, dtype=torch.float32)
+    window = reset_every or length  # the cache is emptied at every multiple of `window`
+    starts = [s for w in range(0, length, window) for s in range(w, min(w + window, length), piece_size)]
     cache, carried = None, None  # carried: [vocab] logits of the last token of the previous piece
-    for start in tqdm(range(0, length, piece_size), desc="long_ppl", disable=not progress, leave=False):
-        piece = input_ids[start : start + piece_size].to(device)  # [P]
-        out = model(input_ids=piece[None], cache=None if reset else cache, use_cache=True)
+    for start in tqdm(starts, desc="long_ppl", disable=not progress, leave=False):
+        end = min(start + piece_size, (start // window + 1) * window, length)
+        piece = input_ids[start:end].to(device)  # [P]
+        if start % window == 0:
+            cache = None
+        out = model(input_ids=piece[None], cache=cache, use_cache=True)
         cache = out.cache
         logits = out.logits[0].float()  # [P, vocab]; row j predicts token start + j + 1
         if carried is not None:  # the previous piece's last logits predict this piece's first token
@@ -159,8 +164,9 @@ def long_perplexity(model, tokenizer, texts, max_tokens: int = 65536, edges: lis
     """Perplexity per position bucket over `texts` joined into one document of at most `max_tokens` tokens.
 
     Also the overall NLL and the cache bytes the model holds at the end of the pass. With `reset_window > 0`,
-    `reset` holds the same figures for the reset reading (pieces of `reset_window` tokens, each from an empty
-    cache) and every bucket its `reset_perplexity` and `context_ratio` (whole / reset perplexity)."""
+    `reset` holds the same figures for the reset reading (windows of `reset_window` tokens, each from an empty
+    cache, read in pieces of `piece_size`) and every bucket its `reset_perplexity` and `context_ratio` (whole / reset
+    perplexity)."""
     edges = parse_buckets(DEFAULT_BUCKETS) if edges is None else edges
     ids = long_document(tokenizer, texts, max_tokens)
     nlls, cache = token_nlls(model, ids, piece_size, progress)
@@ -169,7 +175,7 @@ def long_perplexity(model, tokenizer, texts, max_tokens: int = 65536, edges: lis
               "cache_bytes": cache_bytes(cache), "piece_size": piece_size}
     del cache
     if reset_window:
-        reset_nlls = token_nlls(model, ids, reset_window, progress, reset=True)[0]
+        reset_nlls = token_nlls(model, ids, piece_size, progress, reset_every=reset_window)[0]
         reset_nll = reset_nlls.double().mean().item()
         result["reset"] = {"window": reset_window, "nll": reset_nll, "perplexity": math.exp(reset_nll),
                            "buckets": bucket_means(reset_nlls, edges)}
@@ -212,7 +218,7 @@ def context_effect_markdown(names: list[str], runs: list[dict]) -> list[str]:
         f"{run['reset']['perplexity']:.2f} ({run['perplexity'] / run['reset']['perplexity']:.2f}x)"
         for run in runs) + " |\n"
     return ["## Does the long context help?", "",
-            f"the same document read in independent pieces of {window:,} tokens, each from an empty cache: perplexity "
+            f"the same document read in independent windows of {window:,} tokens, each from an empty cache: perplexity "
             f"per bucket, and in brackets the whole reading's over it (below 1x: the context beyond {window:,} tokens "
             "helps the model; above 1x: it hurts it). The reset reading also shows how hard the text of each bucket "
             "is, whatever the model's context.", "", head + rows]

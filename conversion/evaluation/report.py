@@ -46,7 +46,7 @@ class EvaluateOptions:
     long_piece: int = dataclasses.field(default=1024, metadata={
         "help": "long_ppl: tokens per forward call, the cache carried between them"})
     long_reset_window: int = dataclasses.field(default=DEFAULT_RESET_WINDOW, metadata={
-        "help": "long_ppl: also read the document in independent pieces of this many tokens (each from an empty "
+        "help": "long_ppl: also read the document in independent windows of this many tokens (each from an empty "
                 "cache) and report per bucket whole / reset perplexity: does the longer context help? (0 = off)"})
     passkey_lengths: str = dataclasses.field(default="1024,4096,16384,65536",
                                              metadata={"help": "prompt lengths in tokens"})
