@@ -127,6 +127,20 @@ def run(options: BenchDistillOptions) -> int:
     return 0
 
 
+def probe_speed(folder: Path, converted: Path, teacher: str, data, training, stage: int, tokens: int, lora=None,
+                **distill_options) -> float:
+    """Tokens/s of `stage` alone: `tokens` of it on `converted` into `folder/probe{stage}`, timed by the loop (the
+    last metrics line). `distill_options` are further `DistillOptions` fields (stage 3's block length)."""
+    from delta_attention.conversion.training.distill import DistillOptions, run_distill
+    from delta_attention.conversion.training.metrics import read_metrics
+
+    probe = folder / f"probe{stage}"
+    run_distill(DistillOptions(student=str(converted), teacher=teacher, output_dir=str(probe), overwrite=True,
+                               stages=str(stage), **{f"stage{stage}_tokens": tokens}, eval_tokens=0,
+                               **distill_options), data, training, lora)
+    return read_metrics(probe / f"stage{stage}" / "metrics.jsonl")[-1]["tokens_per_s"]
+
+
 def distill_in_budget(folder: Path, converted: Path, teacher: str, data, training, options: BenchDistillOptions,
                       lora=None, **distill_options) -> dict:
     """Distill `converted` from `teacher` within `options.minutes_per_model` (or the given token budgets).
@@ -142,13 +156,9 @@ def distill_in_budget(folder: Path, converted: Path, teacher: str, data, trainin
     step_tokens = options.batch_size * options.seq_len
     speeds = {}
     for stage in () if options.stage1_tokens and options.stage2_tokens else (1, 2):
-        probe = folder / f"probe{stage}"
-        tokens = (options.probe_steps + 1) * step_tokens
         started = time.perf_counter()
-        run_distill(DistillOptions(student=str(converted), teacher=teacher, output_dir=str(probe), overwrite=True,
-                                   stages=str(stage), stage1_tokens=tokens, stage2_tokens=tokens, eval_tokens=0),
-                    data, training, lora)
-        speeds[stage] = read_metrics(probe / f"stage{stage}" / "metrics.jsonl")[-1]["tokens_per_s"]
+        speeds[stage] = probe_speed(folder, converted, teacher, data, training, stage,
+                                    (options.probe_steps + 1) * step_tokens, lora)
         elapsed = time.perf_counter() - started
         print(f"{folder.name} stage {stage}: {speeds[stage]:.0f} tokens/s (probe {elapsed:.0f} s)")
     budget = options.minutes_per_model * 60

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .bench_distill import BenchDistillOptions, distill_in_budget, save_figure, teacher_finetune_speed
+from .bench_distill import BenchDistillOptions, distill_in_budget, probe_speed, save_figure, teacher_finetune_speed
 from .benchmark import _ints
 
 VARIANTS = {  # name -> ConversionSettings fields (the attention window is filled in from the options)
@@ -101,18 +101,12 @@ def stage3_budget(folder: Path, converted: Path, teacher: str, data, training,
     `--stage3_share` probes stage 3 on the converted model (a few blocks of `--stage3_seq_len`), gives it that share
     of the time budget and leaves stages 1 and 2 the rest; `--stage3_tokens` is a fixed budget beside the time
     budget; neither: no stage 3."""
-    from delta_attention.conversion.training.distill import DistillOptions, run_distill
-    from delta_attention.conversion.training.metrics import read_metrics
-
     if not options.stage3_share and not options.stage3_tokens:
         return {}, options, None
     tokens, speed, seq_len = options.stage3_tokens, None, options.stage3_seq_len
     if not tokens:
-        probe = folder / "probe3"
-        run_distill(DistillOptions(student=str(converted), teacher=teacher, output_dir=str(probe), overwrite=True,
-                                   stages="3", stage3_tokens=(options.probe_steps + 1) * seq_len,
-                                   stage3_seq_len=seq_len, eval_tokens=0), data, training)
-        speed = read_metrics(probe / "stage3" / "metrics.jsonl")[-1]["tokens_per_s"]
+        speed = probe_speed(folder, converted, teacher, data, training, 3, (options.probe_steps + 1) * seq_len,
+                            stage3_seq_len=seq_len)
         print(f"{folder.name} stage 3: {speed:.0f} tokens/s")
         tokens = max(seq_len, int(speed * options.minutes_per_model * 60 * options.stage3_share) // seq_len * seq_len)
         options = dataclasses.replace(options, minutes_per_model=options.minutes_per_model * (1 - options.stage3_share))

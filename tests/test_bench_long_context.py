@@ -2,6 +2,8 @@
 
 import pytest
 
+from test_distill import folders  # noqa: F401  (the tiny teacher, its conversion and the text files)
+
 from delta_attention.scripts.bench_long_context import BenchLongContextOptions, check_options, markdown
 
 
@@ -135,3 +137,22 @@ def test_stage3_share_takes_its_part_of_the_time_budget_at_the_probed_speed(monk
     assert stage3_budget(tmp_path, tmp_path, "t", None, None, BenchLongContextOptions()) == (
         {}, BenchLongContextOptions(), None)
     assert len(probes) == 1  # no probe without a share
+
+
+@pytest.mark.parametrize("stage, tokens, extra", [(1, 2 * 8 * 32, {}), (3, 2 * 64, {"stage3_seq_len": 64})])
+def test_probe_speed_runs_the_stage_alone_and_returns_the_loops_last_speed(folders, tmp_path, stage, tokens, extra):
+    """The probe shared by bench-distill's stages 1 and 2 and bench-long-context's stage 3, on the tiny teacher."""
+    from delta_attention.conversion.data.text import DataOptions
+    from delta_attention.conversion.training.lora import LoraOptions
+    from delta_attention.conversion.training.loop import TrainingOptions
+    from delta_attention.conversion.training.metrics import read_metrics
+    from delta_attention.scripts.bench_distill import probe_speed
+
+    data = DataOptions(dataset=str(folders / "train.txt"), seq_len=32)
+    training = TrainingOptions(batch_size=8, mixed_precision="no")
+    speed = probe_speed(tmp_path, folders / "student", str(folders / "teacher"), data, training, stage, tokens,
+                        LoraOptions(lora_r=4), **extra)
+    records = read_metrics(tmp_path / f"probe{stage}" / f"stage{stage}" / "metrics.jsonl")
+    assert records[-1]["tokens"] == tokens and speed == records[-1]["tokens_per_s"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"probe{stage}"]
+    assert not any((tmp_path / f"probe{stage}" / f"stage{other}").exists() for other in {1, 2, 3} - {stage})
