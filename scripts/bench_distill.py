@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-LAYOUTS = {"hybrid": "0.25", "all-delta": "0"}
+LAYOUTS = {"hybrid": "auto:0.25", "all-delta": "0"}
 
 
 @dataclasses.dataclass

@@ -31,8 +31,8 @@ from .bench_distill import BenchDistillOptions, distill_in_budget, probe_speed, 
 from .benchmark import _ints
 
 VARIANTS = {  # name -> ConversionSettings fields (the attention window is filled in from the options)
-    "hybrid": {"keep_attention": "0.25"},
-    "hybrid-sliding": {"keep_attention": "0.25", "attention_window": None},
+    "hybrid": {"keep_attention": "auto:0.25"},
+    "hybrid-sliding": {"keep_attention": "auto:0.25", "attention_window": None},
     "all-delta": {"keep_attention": "0"},
     "all-delta-gqa": {"keep_attention": "0", "gqa_state": True},
 }

@@ -49,8 +49,10 @@ VARIANTS = {
     "temperature-2": {"temperature": 2.0},
     "data-generated-mix": {"dataset": "{dataset}@0.5+generated:{generated}@0.5"},
     "data-generated-only": {"dataset": "generated:{generated}"},
-    "layers-auto": {"keep_attention": "auto:{keep_attention}"},
+    "layers-uniform": {"keep_attention": "{keep_attention}"},
 }
+#: the baseline's layer plan (convert's default form): the share `--keep_attention` chosen by `auto:`
+BASELINE_PLAN = "auto:{keep_attention}"
 #: override keys that are neither `distill` nor LoRA options
 RUN_KEYS = ("stage1_share", "dataset", "keep_attention")
 #: `distill` options the sweep sets the same for every variant (the budget, the folders, the evaluation texts)
@@ -74,7 +76,8 @@ class SweepRecipeOptions:
     crossdomain_dataset: str = dataclasses.field(default="builtin:crossdomain", metadata={
         "help": "text of other domains (never trained on): cross-domain perplexity and top-1 agreement"})
     keep_attention: str = dataclasses.field(default="0.25", metadata={
-        "help": "the baseline's share of softmax layers, uniform from layer 0 (layers-auto ranks the same share)"})
+        "help": "the baseline's share of softmax layers, chosen by auto: as convert does by default (layers-uniform "
+                "spreads the same share uniformly from layer 0)"})
     init: str = dataclasses.field(default="calibrated", metadata={"help": "init of the conversions (convert --init)"})
     minutes_per_variant: float = dataclasses.field(default=10.0, metadata={"help": "distillation time per variant"})
     stage1_share: float = dataclasses.field(default=0.4, metadata={"help": "the baseline's share of stage 1"})
@@ -153,8 +156,8 @@ def check_options(options: SweepRecipeOptions) -> list[str]:
     try:
         float(options.keep_attention)
     except ValueError:
-        raise ValueError(f"--keep_attention must be a ratio such as 0.25 (uniform from layer 0; the layers-auto "
-                         f"variant ranks the same share), got {options.keep_attention!r}") from None
+        raise ValueError(f"--keep_attention must be a ratio such as 0.25 (chosen by auto:; the layers-uniform "
+                         f"variant spreads the same share uniformly), got {options.keep_attention!r}") from None
     if options.teacher:
         check_model_spec(options.teacher, "teacher")
     distill_fields = {f.name for f in dataclasses.fields(DistillOptions)}
@@ -171,7 +174,7 @@ def check_options(options: SweepRecipeOptions) -> list[str]:
             raise ValueError(f"variant {name}: stage1_share must lie in (0, 1), got {share}")
         LoraOptions(**{k: v for k, v in overrides.items() if k in lora_fields}).validate()
         _data(options, overrides).validate()
-        ConversionSettings(keep_attention=overrides.get("keep_attention", options.keep_attention),
+        ConversionSettings(keep_attention=overrides.get("keep_attention", _fill(BASELINE_PLAN, options)),
                            init=options.init).validate()
     check_output_folder(options.output_dir, overwrite=options.overwrite, resume=options.resume,
                         inputs=(options.teacher, options.generated or None))
@@ -284,7 +287,7 @@ def run(options: SweepRecipeOptions) -> int:
     folder = open_run_folder(Path(options.output_dir), "sweep-recipe", overwrite=options.overwrite,
                              resume=options.resume)
     out = folder.work
-    plans = sorted({_fill(VARIANTS[n].get("keep_attention", options.keep_attention), options) for n in names})
+    plans = sorted({_fill(VARIANTS[n].get("keep_attention", BASELINE_PLAN), options) for n in names})
     source = None
     for plan in plans:
         converted = out / "converted" / _plan_folder(plan)
@@ -308,7 +311,7 @@ def run(options: SweepRecipeOptions) -> int:
         else:
             if done is not None:
                 tqdm.write(f"{name}: its settings changed since it ran; running it again")
-            plan = _fill(VARIANTS[name].get("keep_attention", options.keep_attention), options)
+            plan = _fill(VARIANTS[name].get("keep_attention", BASELINE_PLAN), options)
             done = {"settings": settings,
                     **run_variant(place, out / "converted" / _plan_folder(plan), teacher, options, name)}
             write_text_atomically(saved, json.dumps(done, indent=1, default=str))

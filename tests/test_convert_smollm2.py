@@ -6,6 +6,7 @@ figures (8k held-out tokens, 4k calibration tokens) come from the commands in th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -84,15 +85,27 @@ def test_hybrid_and_all_delta_save_reload_and_generate(teacher, tmp_path, keep):
     assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
 
 
-def test_auto_ranking_keeps_layer_zero_and_the_costliest_layers(teacher):
+def test_auto_plan_keeps_layer_zero_the_induction_layers_and_the_costliest_layers(teacher):
     settings = ConversionSettings(keep_attention="auto:0.25", rank_tokens=2 * SEQ, **FAST)
     windows = token_windows(teacher.tokenizer, train_texts(), SEQ, 2)
     plan = plan_layers(teacher.config, settings, teacher.model, windows, progress=False)
-    print(f"\nauto:0.25 kept {plan.kept}; ranking (layer: perplexity with its attention bypassed, baseline "
-          f"{plan.baseline_perplexity:.1f}): " + ", ".join(f"{i}:{p:.3g}" for i, p in plan.ranking))
+    print(f"\nauto:0.25 kept {plan.kept}; induction layers {plan.induction}; ranking (layer: perplexity with its "
+          f"attention bypassed, baseline {plan.baseline_perplexity:.1f}): "
+          + ", ".join(f"{i}:{p:.3g}" for i, p in plan.ranking))
     assert len(plan.kept) == 8 and 0 in plan.kept
     assert len(plan.ranking) == 30
+    # SmolLM2's induction heads sit in layers 17-23 (docs/design.md, "Layer plans"); 4 of the 8 slots go to them
+    induction = dict(plan.induction)
+    assert {17, 18} <= set(induction) <= set(range(17, 25)) and induction[18] > 0.5
+    copy_layers = [i for i, _ in plan.induction[:4]]
+    assert set(copy_layers) <= set(plan.kept)
     costs = dict(plan.ranking)
-    others = sorted((i for i in costs if i != 0), key=lambda i: -costs[i])
-    assert set(others[:7]) == set(plan.kept) - {0}
+    others = sorted((i for i in costs if i not in (0, *copy_layers)), key=lambda i: -costs[i])
+    assert set(plan.kept) == {0, *copy_layers, *others[: 8 - 1 - len(copy_layers)]}
+    assert 1 in plan.kept  # bypassing layer 1 costs most of all
     assert all(costs[i] >= plan.baseline_perplexity * 0.9 for i in costs)
+
+    bypass_only = plan_layers(teacher.config, dataclasses.replace(settings, induction_share=0.0), teacher.model,
+                              windows, progress=False)
+    assert bypass_only.induction is None
+    assert set(bypass_only.kept) == {0, *sorted((i for i in costs if i != 0), key=lambda i: -costs[i])[:7]}

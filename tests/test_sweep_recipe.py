@@ -108,7 +108,7 @@ def test_unknown_variant_fails_in_one_line_before_anything_is_written(inputs, tm
     assert code == 1 and not out.exists()
     assert error.count("\n") == 0
     assert error.startswith("delta-attention sweep-recipe: error: --variants: unknown ['lora-r99']; choose from [")
-    assert "'baseline'" in error and "'layers-auto'" in error
+    assert "'baseline'" in error and "'layers-uniform'" in error
 
 
 def test_generated_variants_need_the_generated_folder(tmp_path):

@@ -6,9 +6,10 @@
 * an explicit list of layer indices, `0,4,8` (a single index is a list too: `8`);
 * a ratio with a decimal point, `0.25`: `round(ratio * L)` layers kept, spread uniformly from layer 0
   (layer `floor(i * L / n)` for `i < n`);
-* `auto:<ratio>`: rank the layers by how much bypassing each one's attention raises the source's perplexity
-  on calibration text, and keep the `round(ratio * L)` most costly; layer 0 is always kept unless
-  `keep_first_layer=False`.
+* `auto:<ratio>`: keep `n = round(ratio * L)` layers: layer 0 (unless `keep_first_layer=False`), then the
+  layers holding the source's induction heads, strongest first, up to `floor(induction_share * n)` of them
+  (`induction.py`: the heads that copy from the context, which bypass ranking misses), then the layers
+  whose bypassed attention raises the source's perplexity on calibration text most.
 
 A plan may also give the kept layers a window (`--attention-window W`): every kept layer becomes a
 `sliding_attention` layer attending to its last W tokens, whatever its kind in the source, so the converted
@@ -90,10 +91,20 @@ def parse_keep(spec: str | list | tuple | None, num_layers: int) -> KeepSpec:
     return KeepSpec(text, layers=tuple(sorted(set(indices))))
 
 
-def choose_auto(costs: dict[int, float], count: int, keep_first_layer: bool = True) -> tuple[int, ...]:
-    """Keep the `count` layers whose bypass costs most (layer 0 first when `keep_first_layer`)."""
+def copy_slots(count: int, share: float) -> int:
+    """How many of `count` kept layers an auto plan gives to induction layers first: `floor(share * count)`."""
+    return math.floor(share * count + 1e-9)
+
+
+def choose_auto(costs: dict[int, float], count: int, keep_first_layer: bool = True,
+                induction: list[tuple[int, float]] = (), slots: int = 0) -> tuple[int, ...]:
+    """Keep `count` layers: layer 0 first when `keep_first_layer`, then up to `slots` of the `induction` layers
+    (strongest first), then the layers whose bypass costs most."""
     ranked = sorted(costs, key=lambda i: (-costs[i], i))
     chosen = [0] if keep_first_layer and count > 0 and 0 in costs else []
+    for layer, _ in induction[:slots]:
+        if len(chosen) < count and layer not in chosen:
+            chosen.append(layer)
     for layer in ranked:
         if len(chosen) >= count:
             break
@@ -110,6 +121,7 @@ class LayerPlan:
     layer_types: list[str]
     rule: str
     ranking: list[tuple[int, float]] | None = None  # auto: (layer, perplexity with its attention bypassed)
+    induction: list[tuple[int, float]] | None = None  # auto: (layer, its strongest induction head's score)
     baseline_perplexity: float | None = None
     sliding_window: int | None = None  # window of the converted model's sliding layers (None: it has none)
     source_sliding_window: int | None = None  # window of the source's sliding layers (None: it has none)
@@ -136,6 +148,9 @@ class LayerPlan:
                 f"baseline {self.baseline_perplexity:.2f}): "
                 + ", ".join(f"{i}:{ppl:.4g}" for i, ppl in self.ranking)
             )
+        if self.induction is not None:
+            lines.append("induction layers (attention on the copy target of the strongest head, repeated random "
+                         "tokens): " + (", ".join(f"{i}:{score:.2f}" for i, score in self.induction) or "none"))
         return "\n".join(lines)
 
 
@@ -178,5 +193,5 @@ def make_plan(source_types: list[str], kept: tuple[int, ...], rule: str, window:
                      attention_window=window, **extra)
 
 
-__all__ = ["DELTA", "SLIDING", "KeepSpec", "LayerPlan", "check_window", "choose_auto", "layer_name", "make_plan",
+__all__ = ["DELTA", "SLIDING", "KeepSpec", "LayerPlan", "check_window", "choose_auto", "copy_slots", "layer_name", "make_plan",
            "parse_keep", "uniform_layers"]

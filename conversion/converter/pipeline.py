@@ -27,7 +27,8 @@ from . import init_recipes as I
 from .weight_mapping import copy_delta_projections, copy_shared_weights
 from .attention_transfer import collect_teacher_activations
 from .calibration import LayerCalibration, calibrate_layer
-from .layer_plan import KeepSpec, LayerPlan, check_window, choose_auto, make_plan, parse_keep
+from .induction import induction_layers, induction_scores, repeated_sequences
+from .layer_plan import KeepSpec, LayerPlan, check_window, choose_auto, copy_slots, make_plan, parse_keep
 from ..memory import MemoryReport, count_parameters, memory_report
 from ..output_folder import check_output_folder
 from ..saving import atomic_save
@@ -37,6 +38,8 @@ from ..data.windows import random_windows, token_windows
 from ..evaluation.perplexity import mean_nll
 
 INITS = ("copy", "calibrated")
+#: the induction probe of auto plans: this many random sequences of this many tokens, each repeated once
+INDUCTION_PROBE_LENGTH, INDUCTION_PROBE_COUNT = 128, 4
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -45,9 +48,14 @@ class ConversionSettings:
     """Everything a conversion chooses; `delta-attention convert` reads these fields as its flags."""
 
     keep_attention: str = dataclasses.field(
-        default="0.25",
+        default="auto:0.25",
         metadata={"help": "layers that stay softmax: all | none | 0,4,8 | a ratio like 0.25 (uniform from layer 0) | "
-                          "auto:<ratio> (rank layers by the perplexity cost of bypassing them)"},
+                          "auto:<ratio> (layer 0, the layers with induction heads, then the layers whose bypass costs "
+                          "most perplexity)"},
+    )
+    induction_share: float = dataclasses.field(
+        default=0.5, metadata={"help": "auto: at most this share of the kept layers goes first to the layers with "
+                                       "induction (copying) heads, strongest first; 0: rank by bypass cost alone"}
     )
     keep_first_layer: bool = dataclasses.field(
         default=True, metadata={"help": "auto: always keep layer 0 as softmax (--no_keep_first_layer to rank it too)"}
@@ -109,6 +117,8 @@ class ConversionSettings:
             raise ValueError(f"--calibration-seq-len must be >= 8, got {self.calibration_seq_len}")
         if self.calibration_steps < 0 or self.conv_kernel_size < 0:
             raise ValueError("--calibration-steps and --conv-kernel-size must be >= 0")
+        if not 0.0 <= self.induction_share <= 1.0:
+            raise ValueError(f"--induction_share must lie in [0, 1], got {self.induction_share}")
         check_window(self.attention_window)
 
     def delta_options(self) -> DeltaOptions:
@@ -159,6 +169,7 @@ class ConversionResult:
                 "kept": self.plan.kept,
                 "ranking": self.plan.ranking,
                 "baseline_perplexity": self.plan.baseline_perplexity,
+                "induction": self.plan.induction,
                 "attention_window": self.plan.attention_window,
                 "sliding_window": self.plan.sliding_window,
                 "source_sliding_window": self.plan.source_sliding_window,
@@ -216,11 +227,18 @@ def plan_layers(source_config, settings: ConversionSettings, model=None, rank_wi
     if model is None or rank_windows is None:
         raise ValueError("auto layer selection needs the loaded source model and calibration windows")
     baseline, costs = rank_layers_by_bypass(model, rank_windows, settings.bf16, progress)
-    kept = choose_auto(costs, spec.auto_count, settings.keep_first_layer)
+    slots = copy_slots(spec.auto_count, settings.induction_share)
+    induction = None
+    if slots:
+        sequences = repeated_sequences(rank_windows, INDUCTION_PROBE_LENGTH, INDUCTION_PROBE_COUNT, settings.seed)
+        induction = induction_layers(induction_scores(model, sequences, settings.bf16))
+    kept = choose_auto(costs, spec.auto_count, settings.keep_first_layer, induction or [], slots)
     ranking = sorted(costs.items(), key=lambda item: (-item[1], item[0]))
-    rule = (f"{spec.text}: the {spec.auto_count} layers whose bypass costs most perplexity"
-            + (" (layer 0 always kept)" if settings.keep_first_layer else ""))
-    return make_plan(types, kept, rule, ranking=ranking, baseline_perplexity=baseline, **windows)
+    rule = (f"{spec.text}: " + ("layer 0, " if settings.keep_first_layer else "")
+            + (f"up to {slots} layers with induction heads, then " if slots else "")
+            + "the layers whose bypass costs most perplexity")
+    return make_plan(types, kept, rule, ranking=ranking, baseline_perplexity=baseline, induction=induction,
+                     **windows)
 
 
 def _plan_for(source: Source, tokenizer, settings: ConversionSettings, calibration_texts=None, progress: bool = True,
