@@ -16,6 +16,7 @@ from delta_attention.conversion.converter.induction import (
     repeated_sequences,
 )
 from delta_attention.conversion.converter.layer_plan import choose_auto, copy_slots
+from delta_attention.conversion.publishing.cards import conversion_card
 from test_convert import FAMILIES, FAST, tiny_source
 
 
@@ -90,6 +91,7 @@ def test_auto_plan_keeps_the_induction_layer_and_records_it(monkeypatch):
     assert "induction layers" in result.plan.describe() and "2:0.80" in result.plan.describe()
     record = json.loads(json.dumps(result.record()))  # what conversion.json holds
     assert record["plan"]["induction"] == [[2, pytest.approx(0.8)]]
+    assert "kept first: layer 2 (0.80)" in str(conversion_card(result))
 
     no_share = convert_model(source, ConversionSettings(keep_attention="auto:0.5", rank_tokens=64, induction_share=0.0,
                                                         **FAST), progress=False)

@@ -68,6 +68,9 @@ def conversion_card(result, model_path: str = ".", has_tokenizer: bool = True) -
     ranking = None
     if plan.ranking:
         ranking = ", ".join(f"layer {i} ({ppl:.4g})" for i, ppl in plan.ranking)
+    induction = None
+    if plan.induction is not None:
+        induction = ", ".join(f"layer {i} ({score:.2f})" for i, score in plan.induction) or "none"
     errors = {i: c.error for i, c in result.calibration.items() if c.error is not None}
     summary = None
     if settings.init == "calibrated":
@@ -99,6 +102,7 @@ def conversion_card(result, model_path: str = ".", has_tokenizer: bool = True) -
         plan_rule=plan.rule,
         layer_rows=layer_rows,
         ranking=ranking,
+        induction=induction,
         baseline_perplexity=f"{plan.baseline_perplexity:.4g}" if plan.baseline_perplexity else None,
         conv_kernel_size=config.linear_conv_kernel_size,
         output_gate="SiLU(g_proj x + 1.28), g_proj std 0.002" if config.linear_output_gate else "off",
