@@ -28,6 +28,9 @@ class BenchDistillOptions:
     layouts: str = dataclasses.field(default="hybrid,all-delta", metadata={"help": "hybrid and/or all-delta"})
     minutes_per_model: float = dataclasses.field(default=60.0, metadata={"help": "training time per model"})
     stage1_share: float = dataclasses.field(default=0.4, metadata={"help": "share of the time spent in stage 1"})
+    dataset: str = dataclasses.field(default="builtin:train", metadata={
+        "help": "training text, as distill's --dataset (e.g. builtin:train@0.5+generated:OUT@0.5 mixes in "
+                "generate-data's chat answers); the teacher's fine-tuning probe always reads builtin:train"})
     seq_len: int = dataclasses.field(default=512, metadata={"help": "training sequence length"})
     batch_size: int = dataclasses.field(default=4, metadata={"help": "blocks per step"})
     evaluations: int = dataclasses.field(default=5, metadata={"help": "held-out evaluations per stage"})
@@ -90,19 +93,19 @@ def run(options: BenchDistillOptions) -> int:
     from delta_attention.conversion.training.loop import TrainingOptions
 
     check_cpu_mixed_precision(options.mixed_precision)
+    data = DataOptions(dataset=options.dataset, seq_len=options.seq_len, packing=options.packing).validate()
     options.mixed_precision = resolve_mixed_precision(options.mixed_precision, "cpu")  # what the report records
     out = Path(options.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     gguf = str(smollm2_gguf_path())
     source = load_source(gguf, dtype=torch.float32)
-    data = DataOptions(dataset="builtin:train", seq_len=options.seq_len, packing=options.packing)
-    blocks = training_blocks(data, source.tokenizer)
+    blocks = training_blocks(dataclasses.replace(data, dataset="builtin:train"), source.tokenizer)
     blocks = blocks["input_ids"] if isinstance(blocks, dict) else blocks  # the teacher's speed probe needs ids only
     for p in source.model.parameters():
         p.requires_grad_(True)
     bf16 = options.mixed_precision == "bf16"
     report = {"threads": torch.get_num_threads(), "minutes_per_model": options.minutes_per_model,
-              "packing": options.packing, "mixed_precision": options.mixed_precision,
+              "packing": options.packing, "mixed_precision": options.mixed_precision, "dataset": options.dataset,
               "seq_len": options.seq_len, "batch_size": options.batch_size,
               "teacher_finetune_tokens_per_s": teacher_finetune_speed(source.model, blocks, options.probe_steps, bf16),
               "models": {}}
@@ -190,7 +193,8 @@ def distill_in_budget(folder: Path, converted: Path, teacher: str, data, trainin
 def markdown(report: dict) -> str:
     lines = [f"Threads: {report['threads']}; {report['minutes_per_model']:g} min per model; sequence "
              f"{report['seq_len']}, batch {report['batch_size']}, packing {report.get('packing', 'plain')}, precision "
-             f"{report.get('mixed_precision', 'bf16')}. Teacher full fine-tuning: "
+             f"{report.get('mixed_precision', 'bf16')}, data `{report.get('dataset', 'builtin:train')}`. Teacher full "
+             "fine-tuning: "
              f"{report['teacher_finetune_tokens_per_s']:.0f} tokens/s.", "",
              "| model | teacher ppl | untrained | after stage 1 | after stage 2 | vs teacher | cross-domain: teacher | "
              "after stage 1 | after stage 2 | vs teacher | stage 1 tok/s | stage 2 tok/s | tokens (1 + 2) | wall |",

@@ -306,3 +306,19 @@ def test_evaluate_scores_each_set_with_equal_corpus_shares_and_one_row_per_set()
         "| `builtin:crossdomain` vs teacher | 1.50x | 1.00x |",
         "| `builtin:crossdomain` tokens | 16,000 | 16,000 |",
     ]
+
+
+def test_bench_distill_trains_on_the_dataset_it_is_given_and_refuses_a_bad_one_before_loading(monkeypatch):
+    from delta_attention.conversion.converter import sources
+    from delta_attention.scripts.bench_distill import BenchDistillOptions, markdown, run
+
+    def never(*args, **kwargs):
+        raise AssertionError("loaded the teacher before checking --dataset")
+
+    monkeypatch.setattr(sources, "load_source", never)
+    with pytest.raises(ValueError, match="builtin:heldout is the evaluation split"):
+        run(BenchDistillOptions(dataset="builtin:train@0.5+builtin:heldout@0.5", output_dir="unused"))
+    report = {"threads": 2, "minutes_per_model": 60, "seq_len": 512, "batch_size": 4, "packing": "boundary",
+              "mixed_precision": "bf16", "dataset": "builtin:train@0.5+generated:gen@0.5",
+              "teacher_finetune_tokens_per_s": 300, "models": {}}
+    assert "data `builtin:train@0.5+generated:gen@0.5`" in markdown(report).splitlines()[0]

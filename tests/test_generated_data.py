@@ -152,15 +152,25 @@ def test_chat_samples_use_the_chat_template_and_labels_cover_exactly_the_answers
         "<user>", "w2", "w3", "w4", "<eos>", "<assistant>"]
     generate_data(options(root, tmp_path / "gen", kind="chat"))
     samples = rows(tmp_path / "gen")["chat"]
-    data = mixed_rows(DataOptions(dataset=f"generated:{tmp_path / 'gen'}", seq_len=48), tokenizer)
-    assert sorted(data) == ["input_ids", "labels", "position_ids"] and data["input_ids"].shape == (7, 48)
-    for sample, ids, labels, positions in zip(samples, data["input_ids"], data["labels"], data["position_ids"]):
+    source = f"generated:{tmp_path / 'gen'}"
+    plain = mixed_rows(DataOptions(dataset=source, seq_len=48, packing="plain"), tokenizer)  # one sample a row
+    assert sorted(plain) == ["input_ids", "labels"] and plain["input_ids"].shape == (7, 48)
+    alone = []
+    for sample, ids, labels in zip(samples, plain["input_ids"], plain["labels"]):
         prompt = prompt_ids(tokenizer, "chat", sample["prompt"])
         answer = tokenizer(sample["messages"][1]["content"])["input_ids"] + [tokenizer.eos_token_id]
         assert ids[: len(prompt)].tolist() == prompt
         assert ids[labels != IGNORE_INDEX].tolist() == answer  # exactly the answer and its end-of-turn
         assert (labels != IGNORE_INDEX).nonzero().flatten().tolist() == list(range(len(prompt), len(prompt) + len(answer)))
-        assert positions.tolist() == list(range(48))
+        alone.append((ids[: len(prompt) + len(answer)].tolist(), labels[: len(prompt) + len(answer)].tolist()))
+    # boundary packing (the default): the same samples in order, several to a row, positions from 0 at each
+    packed = mixed_rows(DataOptions(dataset=source, seq_len=48), tokenizer)
+    assert sorted(packed) == ["input_ids", "labels", "position_ids"] and len(packed["input_ids"]) < 7
+    pieces = []
+    for ids, labels, positions in zip(*(packed[key].tolist() for key in ("input_ids", "labels", "position_ids"))):
+        starts = [i for i, position in enumerate(positions) if position == 0] + [48]
+        pieces += [(ids[a:b], labels[a:b]) for a, b in zip(starts, starts[1:])]
+    assert [piece for piece in pieces if set(piece[1]) != {IGNORE_INDEX}] == alone
 
 
 def test_the_masked_kl_counts_only_answer_positions():
@@ -194,12 +204,14 @@ def test_a_weighted_mix_gives_each_source_its_share_and_drops_no_row(root, tmp_p
     text = training_blocks(DataOptions(dataset=str(tmp_path / "train.txt"), seq_len=32), tokenizer)
     mix = training_blocks(DataOptions(dataset=f"{tmp_path / 'train.txt'}@1+generated:{tmp_path / 'gen'}@3",
                                       seq_len=32), tokenizer)
+    chat = training_blocks(DataOptions(dataset=f"generated:{tmp_path / 'gen'}", seq_len=32), tokenizer)
     is_chat = (mix["labels"] == IGNORE_INDEX).any(dim=1)
-    n_text = len(text["input_ids"])  # 62 blocks; 7 chat rows at 3 times the share -> 186 chat rows
+    n_text = len(text["input_ids"])  # 62 blocks; the 7 samples' few packed chat rows at 3 times the share -> 186
     assert int((~is_chat).sum()) == n_text and int(is_chat.sum()) == 3 * n_text
     assert torch.equal(mix["labels"][~is_chat], mix["input_ids"][~is_chat])  # text rows: every token counts
     assert {tuple(row) for row in mix["input_ids"][~is_chat].tolist()} == {tuple(r) for r in text["input_ids"].tolist()}
-    assert len({tuple(row) for row in mix["input_ids"][is_chat].tolist()}) == 7  # each chat row, repeated
+    # each chat row, repeated
+    assert {tuple(row) for row in mix["input_ids"][is_chat].tolist()} == {tuple(r) for r in chat["input_ids"].tolist()}
     with pytest.raises(ValueError, match="give a weight to every source of the mix or to none"):
         DataOptions(dataset=f"{tmp_path / 'train.txt'}@1+generated:{tmp_path / 'gen'}").validate()
     with pytest.raises(ValueError, match=r"the weight of 'builtin:train' must be a positive number after @, got 'x'"):

@@ -67,14 +67,14 @@ def conversation_tokens(tokenizer, messages: list[dict], completion_only: bool =
     return input_ids, labels
 
 
-def chat_rows(tokenizer, conversations, seq_len: int, completion_only: bool = True) -> dict[str, torch.Tensor]:
-    """`input_ids`, `labels`, `attention_mask` tensors `[N, seq_len]` (right-padded) for the conversations."""
+def _conversation_pieces(tokenizer, conversations, seq_len: int, completion_only: bool):
+    """`(ids, labels)` of each conversation, cut to `seq_len`; those with nothing to learn in the kept part are
+    left out. A bad conversation raises the `ValueError` of `check_conversation` or of its chat template."""
     from jinja2 import TemplateError
 
     if seq_len < 2:
         raise ValueError(f"--seq_len must be at least 2, got {seq_len}")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows = {"input_ids": [], "labels": [], "attention_mask": []}
+    pieces = []
     for row, messages in enumerate(conversations):
         check_conversation(messages, row)
         try:
@@ -86,10 +86,53 @@ def chat_rows(tokenizer, conversations, seq_len: int, completion_only: bool = Tr
         ids, labels = ids[:seq_len], labels[:seq_len]
         if all(label == IGNORE_INDEX for label in labels[1:]):
             continue  # nothing to learn from in the kept part
+        pieces.append((ids, labels))
+    if not pieces:
+        raise ValueError("no conversation has an assistant turn within seq_len tokens")
+    return pieces
+
+
+def _pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def chat_rows(tokenizer, conversations, seq_len: int, completion_only: bool = True) -> dict[str, torch.Tensor]:
+    """`input_ids`, `labels`, `attention_mask` tensors `[N, seq_len]` (right-padded) for the conversations."""
+    pad = _pad_id(tokenizer)
+    rows = {"input_ids": [], "labels": [], "attention_mask": []}
+    for ids, labels in _conversation_pieces(tokenizer, conversations, seq_len, completion_only):
         padding = seq_len - len(ids)
         rows["input_ids"].append(ids + [pad] * padding)
         rows["labels"].append(labels + [IGNORE_INDEX] * padding)
         rows["attention_mask"].append([1] * len(ids) + [0] * padding)
-    if not rows["input_ids"]:
-        raise ValueError("no conversation has an assistant turn within seq_len tokens")
+    return {key: torch.tensor(value, dtype=torch.long) for key, value in rows.items()}
+
+
+def packed_chat_rows(tokenizer, conversations, seq_len: int, completion_only: bool = True) -> dict[str, torch.Tensor]:
+    """`input_ids`, `labels`, `position_ids` tensors `[N, seq_len]`: the conversations in their order, as many to a
+    row as fit whole (a longer one is cut to `seq_len` and has a row alone), the rest of a row padding.
+
+    The position ids restart at 0 at each conversation and at the padding, the packed-sequence convention that
+    transformers' masks and the delta layers' per-document state resets read, so each conversation is seen as if
+    it were alone in its row; short answers then fill rows instead of padding them."""
+    pad = _pad_id(tokenizer)
+    rows = {"input_ids": [], "labels": [], "position_ids": []}
+    row = {key: [] for key in rows}
+
+    def close():
+        padding = seq_len - len(row["input_ids"])
+        row["input_ids"] += [pad] * padding
+        row["labels"] += [IGNORE_INDEX] * padding
+        row["position_ids"] += list(range(padding))
+        for key in rows:
+            rows[key].append(row[key])
+            row[key] = []
+
+    for ids, labels in _conversation_pieces(tokenizer, conversations, seq_len, completion_only):
+        if len(row["input_ids"]) + len(ids) > seq_len:
+            close()
+        row["input_ids"] += ids
+        row["labels"] += labels
+        row["position_ids"] += list(range(len(ids)))
+    close()
     return {key: torch.tensor(value, dtype=torch.long) for key, value in rows.items()}

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-from .chat import _prompt, chat_rows
+from .chat import _prompt, chat_rows, packed_chat_rows
 from .text import _check_jsonl
 
 #: the built-in prompt set: one `{"kind": "chat"|"text", "category": ..., "prompt": ...}` object a line
@@ -438,15 +438,16 @@ def _text_rows(options, tokenizer) -> dict:
 
 
 def _chat_rows(folder: Path, options, tokenizer) -> dict:
-    """Padded rows of the chat samples in `folder`, with completion-only `labels` (and `position_ids` 0..L-1 with
-    boundary packing, so that they stack with packed text rows)."""
+    """Rows of the chat samples in `folder` with completion-only `labels`: with boundary packing, as many samples to
+    a row as fit, each with position ids from 0 (`chat.packed_chat_rows`, which stack with packed text rows); with
+    plain packing, one right-padded sample a row."""
     from .text import load_texts
 
     table = load_texts(str(folder), text_column="messages", column_flag="--messages_column")
+    if options.packing == "boundary":
+        return packed_chat_rows(tokenizer, table["text"], options.seq_len, completion_only=True)
     rows = chat_rows(tokenizer, table["text"], options.seq_len, completion_only=True)
     rows.pop("attention_mask")  # right padding: causal models never look at it, and the labels leave it out
-    if options.packing == "boundary":
-        rows["position_ids"] = torch.arange(options.seq_len).expand_as(rows["input_ids"]).clone()
     return rows
 
 
