@@ -2,8 +2,8 @@
 
 For each layout it converts the offline GGUF (calibrated init), measures the tokens/s of both stages and of
 plain full fine-tuning of the teacher (bf16 autocast) with a few probe steps, turns the time budget into
-token budgets, runs `distill` with held-out evaluations along the way, and reports held-out perplexity
-against tokens seen, with the cross-domain perplexity (`builtin:crossdomain`) at the end of each stage beside it.
+token budgets, runs `distill` on `--dataset` (default `builtin:train`) with `--evaluations` held-out evaluations
+in each stage, and reports held-out perplexity against tokens seen, with the cross-domain perplexity (`builtin:crossdomain`) at the end of each stage beside it.
 Writes `results.json`, `results.md` and `distill.png` under `--output_dir`.
 
     python -m delta_attention.scripts.bench_distill --minutes_per_model 60
@@ -173,8 +173,7 @@ def distill_in_budget(folder: Path, converted: Path, teacher: str, data, trainin
     distill = DistillOptions(student=str(converted), teacher=teacher, output_dir=str(folder / "run"),
                              overwrite=True, stage1_tokens=stage1_tokens, stage2_tokens=stage2_tokens,
                              eval_tokens=options.eval_tokens, **distill_options)
-    run_training_options = dataclasses.replace(training)
-    run_training_options.eval_every_tokens = max(step_tokens, min(stage1_tokens, stage2_tokens) // options.evaluations)
+    run_training_options = dataclasses.replace(training, num_evaluations=options.evaluations)  # per stage
     results = run_distill(distill, data, run_training_options, lora)
     results["wall_seconds"] = time.perf_counter() - started
     results["probe_tokens_per_s"] = speeds

@@ -277,6 +277,7 @@ def test_resuming_a_finished_run_says_so_and_reports_its_last_loss(runs, tmp_pat
     ("warmup_ratio", -0.1, r"--warmup_ratio must be in \[0, 1\)"),
     ("checkpoint_every_tokens", -1, r"--checkpoint_every_tokens must be a whole number >= 0"),
     ("eval_every_tokens", -5, r"--eval_every_tokens must be a whole number >= 0"),
+    ("num_evaluations", 1.5, r"--num_evaluations must be a whole number >= 0 \(0 = by --eval_every_tokens\)"),
     ("max_grad_norm", -1.0, r"--max_grad_norm must be >= 0 \(0 = no clipping\), got -1.0"),
     ("max_grad_norm", float("nan"), r"--max_grad_norm must be >= 0"),
     ("log_every_steps", 0, r"--log_every_steps must be a whole number >= 1, got 0"),
@@ -338,3 +339,13 @@ def test_evaluations_run_without_the_training_autocast(tmp_path):
     options = TrainingOptions(batch_size=4, mixed_precision="bf16", eval_every_tokens=2 * 4 * 32)
     train(tmp_path / "run", options, max_tokens=4 * 4 * 32, evaluate=evaluate)
     assert seen == [False, False]
+
+
+@pytest.mark.parametrize("steps, evaluations, expected", [(12, 3, [4, 8, 12]), (13, 3, [5, 10, 13]),
+                                                          (10, 4, [3, 6, 9, 10]), (2, 5, [1, 2])])
+def test_num_evaluations_spreads_that_many_over_a_run_of_any_length(tmp_path, steps, evaluations, expected):
+    # a short and a long distill stage each get --num_evaluations, not the count --eval_every_tokens gives each
+    options = TrainingOptions(batch_size=4, mixed_precision="no", num_evaluations=evaluations,
+                              eval_every_tokens=4 * 32)  # overridden
+    _, result = train(tmp_path, options, max_tokens=steps * 4 * 32, evaluate=lambda model: {"probe": 0.0})
+    assert [e["step"] for e in result.evaluations] == expected

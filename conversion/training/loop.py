@@ -63,6 +63,9 @@ class TrainingOptions:
     gradient_checkpointing: bool = dataclasses.field(default=False, metadata={"help": "recompute layer activations"})
     checkpoint_every_tokens: int = dataclasses.field(default=0, metadata={"help": "0 = only at the end"})
     eval_every_tokens: int = dataclasses.field(default=0, metadata={"help": "0 = only at the end"})
+    num_evaluations: int = dataclasses.field(default=0, metadata={
+        "help": "evaluations spread evenly over each run (each distill stage: a long stage gets no more than a "
+                "short one), the last at its end; 0 = by --eval_every_tokens"})
     resume: bool = dataclasses.field(default=False, metadata={"help": "continue from the latest checkpoints"})
     log_every_steps: int = dataclasses.field(default=1, metadata={"help": "metrics line every N steps"})
 
@@ -88,6 +91,9 @@ class TrainingOptions:
              f"got {self.checkpoint_every_tokens!r}"),
             (whole(self.eval_every_tokens, 0),
              f"--eval_every_tokens must be a whole number >= 0 (0 = only at the end), got {self.eval_every_tokens!r}"),
+            (whole(self.num_evaluations, 0),
+             f"--num_evaluations must be a whole number >= 0 (0 = by --eval_every_tokens), "
+             f"got {self.num_evaluations!r}"),
             (whole(self.log_every_steps, 1),
              f"--log_every_steps must be a whole number >= 1, got {self.log_every_steps!r}"),
             (self.mixed_precision in MIXED_PRECISIONS,
@@ -280,7 +286,8 @@ def run_training(
     `attention_mask`, ...), or an iterable of `{"input_ids": ...}` rows (streaming).
     `compute_loss(model, batch)` returns `(loss, metrics)`, `batch` being a slice of `blocks`. `parameter_groups` are AdamW groups, each with
     its peak learning rate (`{"params": [...], "lr": ...}`); only their parameters train and are
-    checkpointed. `evaluate(model)` runs every `eval_every_tokens` and at the end, outside the training autocast
+    checkpointed. `evaluate(model)` runs every `eval_every_tokens` (or `num_evaluations` times) and at the end,
+    outside the training autocast
     (no autocast: float32 weights score in float32; a model prepared by accelerate may still autocast inside its
     own forward under bf16, so `distill` evaluates the bare student). Checkpoints go to `output_dir/checkpoints`, metrics to `output_dir/metrics.jsonl`. With
     `options.resume`, training continues from the newest usable checkpoint there (it must come from a run with
@@ -375,6 +382,8 @@ def run_training(
 
     every = lambda tokens: max(1, tokens // tokens_per_step) if tokens else 0  # noqa: E731
     checkpoint_steps, eval_steps = every(options.checkpoint_every_tokens), every(options.eval_every_tokens)
+    if options.num_evaluations:  # at most that many, the last at the end
+        eval_steps = math.ceil(total_steps / options.num_evaluations)
     bar = tqdm(total=total_steps * tokens_per_step, initial=min(step, total_steps) * tokens_per_step, unit="tok",
                unit_scale=True, desc=description, disable=not accelerator.is_main_process, dynamic_ncols=True)
     while step < total_steps:
