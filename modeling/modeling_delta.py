@@ -483,14 +483,30 @@ class DeltaAttention(nn.Module):
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, None]:
         if documents is not None:  # packed rows (no cache): each document alone, from a zero state
-            output, _ = self(documents.unpack(hidden_states))
-            return documents.pack(output, hidden_states), None
-        batch, seq_len, _ = hidden_states.shape
+            return self._packed_forward(hidden_states, documents), None
         if attention_mask is None and self._steps_fast(hidden_states, cache):
             return self._inference_step(hidden_states, cache.layers[self.layer_idx]), None
-        recurrent_state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
-
         mixed_qkv, b, a, gate_input = self._project_inputs(hidden_states)
+        output = self._mix(mixed_qkv, b, a, cache, attention_mask)
+        return self._output(output, gate_input), None
+
+    def _packed_forward(self, hidden_states: torch.Tensor, documents: PackedDocuments) -> torch.Tensor:
+        """`forward` over packed rows: the position-wise projections on the rows as they are, the conv and the delta
+        rule on a right-padded batch of one document per row (`documents.unpack`), each from an empty conv window
+        and a zero state, so a document is computed as it would be alone; only those two see the padding (a row
+        of short documents would otherwise run every projection over several times its own length).
+        hidden_states [B, T, hidden] -> [B, T, hidden]."""
+        mixed_qkv, b, a, gate_input = self._project_inputs(hidden_states)
+        output = self._mix(*[None if t is None else documents.unpack(t) for t in (mixed_qkv, b, a)])
+        output = documents.pack(output.flatten(-2), hidden_states)  # [documents, longest, H, V] -> [B, T, H * V]
+        return self._output(output.unflatten(-1, (self.num_heads, self.value_head_dim)), gate_input)
+
+    def _mix(self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor | None, cache: Cache | None = None,
+             attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The token mixing of the reference path: short conv, q/k/v heads and their norms, beta and decay, the
+        delta rule from the cached state (updating the cache). `_project_inputs`' outputs [B, T, *] -> [B, T, H, V]."""
+        seq_len = mixed_qkv.shape[1]
+        recurrent_state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
         if attention_mask is not None:  # 2D padding mask: padded positions write nothing and decay nothing
             mixed_qkv = mixed_qkv * attention_mask[:, :, None].to(mixed_qkv.dtype)
         if self.conv_kernel_size > 0:
@@ -519,12 +535,15 @@ class DeltaAttention(nn.Module):
             output, final_state = self._delta_rule(query, key, value, beta, log_decay, recurrent_state)
         if cache is not None:
             cache.update_recurrent_state(final_state, self.layer_idx, new_tokens=seq_len)
+        return output
 
+    def _output(self, output: torch.Tensor, gate_input: torch.Tensor | None) -> torch.Tensor:
+        """Output norm, output gate and projection, position-wise: [B, T, H, V] -> [B, T, hidden]."""
         output = self.o_norm(output)  # [B, T, H, V]
-        output = output.reshape(batch, seq_len, self.value_dim)
+        output = output.flatten(-2)  # [B, T, H * V]
         if gate_input is not None:
             output = output * self.gate_act(gate_input)
-        return self.o_proj(output), None
+        return self.o_proj(output)
 
     def _steps_fast(self, hidden_states: torch.Tensor, cache: Cache | None) -> bool:
         """Whether this block can take `_inference_step`: at most `SHORT_BLOCK_TOKENS` new tokens (and no more than

@@ -79,9 +79,10 @@ def packed_documents(lengths, seed):
     return documents, torch.cat(documents, 1), position_ids
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_packed_documents_equal_each_document_alone(layout):
-    model = build(layout)
+@pytest.mark.parametrize("layout,gate", [("all_delta", "none"), ("all_delta", "scalar"), ("all_delta", "channel"),
+                                         ("hybrid", "scalar")])
+def test_packed_documents_equal_each_document_alone(layout, gate):
+    model = build(layout, linear_gate=gate)
     rows = [packed_documents([5, 19, 7], seed=0), packed_documents([20, 11], seed=40)]  # 31 tokens per row
     input_ids = torch.cat([row[1] for row in rows])
     position_ids = torch.cat([row[2] for row in rows])
@@ -94,6 +95,23 @@ def test_packed_documents_equal_each_document_alone(layout):
     out.loss.backward()
     delta = model.model.layers[0].self_attn
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in (delta.conv1d.weight, delta.b_proj.weight))
+
+
+def test_packed_rows_run_the_projections_over_the_rows_not_one_padded_row_per_document():
+    # only the conv and the delta rule need one document per row; the projections see the packed tokens as they
+    # are (B x T), not documents x longest, which for many short documents would be several times as many
+    model = build("all_delta")
+    attention = model.model.layers[0].self_attn
+    seen = {}
+    hooks = [getattr(attention, name).register_forward_hook(
+        lambda module, args, output, name=name: seen.__setitem__(name, tuple(args[0].shape[:-1])))
+        for name in ("q_proj", "b_proj", "o_proj")]
+    _, input_ids, position_ids = packed_documents([3, 4, 2, 3, 4, 15], seed=0)  # 6 documents, the longest 15
+    with torch.no_grad():
+        model(input_ids, position_ids=position_ids)
+    for hook in hooks:
+        hook.remove()
+    assert seen == {"q_proj": (1, 31), "b_proj": (1, 31), "o_proj": (1, 31)}
 
 
 def test_packed_position_ids_with_a_cache_are_refused():
