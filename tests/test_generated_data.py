@@ -260,3 +260,71 @@ def test_bad_options_give_one_line_before_loading_anything(root, tmp_path, capsy
     code = cli(["generate-data", str(root / "teacher"), "--output_dir", str(tmp_path / "out"), *flags])
     assert code == 1 and capsys.readouterr().err.strip() == f"delta-attention generate-data: error: {message}"
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------------ grounded prompts
+
+
+def test_the_built_in_set_has_grounded_prompts_and_a_quarter_of_the_chat_samples_answer_them():
+    chat = [(i, p) for i, p in enumerate(load_prompts()) if p["kind"] == "chat"]
+    grounded = [p for _, p in chat if generated.is_grounded(p)]
+    assert len(grounded) >= 12 and all(p["category"] == "grounded" for p in grounded)
+    order = generated.chat_prompt_order(chat, 0, 64, 0.25)
+    flags = generated.grounded_samples(64, 0.25)
+    assert sum(flags) == 16 and flags[:8] == [False, False, False, True] * 2  # evenly spaced
+    assert [generated.is_grounded(chat[i][1]) for i in order] == flags  # grounded samples take grounded prompts
+    assert len({order[i] for i in range(64) if flags[i]}) == 16 - max(0, 16 - len(grounded))  # no repeat too soon
+    # a longer run keeps the shorter run's assignment (a resume with more samples adds, changes nothing)
+    assert generated.chat_prompt_order(chat, 0, 100, 0.25)[:64] == order
+    assert not any(generated.is_grounded(chat[i][1]) for i in generated.chat_prompt_order(chat, 0, 64, 0.0))
+
+
+def test_a_grounded_passage_is_training_text_from_a_sentence_start_drawn_by_the_seed_alone():
+    texts = [" ".join(f"d{d}s{s}w{w}" + ("." if w == 9 else "") for s in range(40) for w in range(10))
+             for d in range(3)]  # three documents of 40 ten-word sentences
+    passages = [generated.grounded_passage(texts, sample_seed(0, "chat", i)) for i in range(40)]
+    assert passages == [generated.grounded_passage(texts, sample_seed(0, "chat", i)) for i in range(40)]
+    for passage in passages:
+        words = passage.split()
+        document = words[0].split("s")[0]
+        assert all(word.startswith(document + "s") for word in words)  # one document, its words in order
+        assert " ".join(words) in texts[int(document[1:])]
+        assert words[0].endswith("w0") and words[-1].endswith("w9.")  # whole sentences
+        assert 50 <= len(words) <= generated.PASSAGE_WORDS[1]
+    assert len(set(passages)) >= 35 and len({p.split("s")[0] for p in passages}) == 3  # varied
+
+
+def test_grounded_samples_quote_the_passages_text_and_resume_like_the_rest(root, tmp_path):
+    words = [f"w{30 + (i * 7) % 50}" + ("." if i % 8 == 7 else "") for i in range(400)]
+    (tmp_path / "passages.txt").write_text(" ".join(words) + "\n")
+    lines = [{"kind": "chat", "category": "test", "prompt": "w1 w2"},
+             {"kind": "chat", "category": "grounded", "prompt": "{passage}\n\nw3 w4"}]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    settings = dict(kind="chat", prompts=str(tmp_path / "prompts.jsonl"), passages=str(tmp_path / "passages.txt"),
+                    grounded_share=0.5, num_samples=6, shard_size=2, max_new_tokens=4)
+    record = generate_data(options(root, tmp_path / "gen", **settings))
+    samples = rows(tmp_path / "gen")["chat"]
+    assert record["grounded_share"] == 0.5 and record["passages"] == str(tmp_path / "passages.txt")
+    assert [r["category"] for r in samples] == ["test", "grounded"] * 3
+    for row in samples[1::2]:
+        passage, request = row["prompt"].split("\n\n")
+        assert request == "w3 w4" and passage in " ".join(words) and len(passage.split()) >= 50
+        assert row["messages"][0]["content"] == row["prompt"]
+    assert len({r["prompt"] for r in samples[1::2]}) == 3
+    assert generate_data(options(root, tmp_path / "gen2", batch_size=1, **settings)) and \
+        rows(tmp_path / "gen2") == rows(tmp_path / "gen")  # the seed decides the passages, not the batching
+    with pytest.raises(ValueError, match="grounded_share was 0.5, now 0.25"):
+        generate_data(options(root, tmp_path / "gen", resume=True, **{**settings, "grounded_share": 0.25}))
+    # --grounded_share 0: the grounded prompt is never answered
+    generate_data(options(root, tmp_path / "none", **{**settings, "grounded_share": 0.0}))
+    assert {r["category"] for r in rows(tmp_path / "none")["chat"]} == {"test"}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--grounded_share", "1.5"], "--grounded_share must be in [0, 1] (0 = no grounded prompts), got 1.5"),
+    (["--passages", "builtin:heldout"], "builtin:heldout is the evaluation split (never trained on)"),
+])
+def test_bad_grounded_options_give_one_line_before_loading_anything(root, tmp_path, capsys, flags, message):
+    code = cli(["generate-data", str(root / "teacher"), "--output_dir", str(tmp_path / "out"), *flags])
+    assert code == 1 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -5,6 +5,10 @@
   how-tos, stories, poems, rewriting, summaries, questions, advice, letters, small sums), each rendered with the
   teacher's chat template (`kind="chat"`), and
 * text that continues built-in document openings (`kind="text"`).
+Chat prompts holding `{passage}` are grounded prompts (a request about a text: repeat it, quote a sentence of it,
+summarise it, ...): `grounded_share` of the chat samples answer one, with `{passage}` replaced by a passage of
+training text (`--passages`, default `builtin:train`, never an evaluation split) chosen by the sample's seed, so the
+student also sees chat turns that copy from and refer to their context (`grounded_passage`).
 Generation is batched (left padding) and sampled (temperature, top-p). Every sample draws its tokens from its own
 generator, seeded by (seed, kind, sample index), so its text does not depend on the batch size, on the other samples
 of its batch, or on a resume. Samples are written as they are done, `shard_size` at a time, to
@@ -41,7 +45,12 @@ GENERATED_PREFIX = "generated:"
 #: written in the output folder: the settings that determine the text, and the progress
 RECORD = "generation.json"
 #: what must be the same to resume a folder (the sample count may grow)
-_FIXED_ON_RESUME = ("teacher", "kinds", "seed", "max_new_tokens", "temperature", "top_p", "shard_size", "prompts_sha256")
+_FIXED_ON_RESUME = ("teacher", "kinds", "seed", "max_new_tokens", "temperature", "top_p", "shard_size", "prompts_sha256",
+                    "grounded_share", "passages")
+#: the placeholder of a grounded prompt, replaced by a passage of training text
+PASSAGE = "{passage}"
+#: words per passage of a grounded prompt (from a sentence start; cut at a sentence end where one is near)
+PASSAGE_WORDS = (60, 180)
 
 
 @dataclasses.dataclass
@@ -62,6 +71,12 @@ class GenerateOptions:
     temperature: float = dataclasses.field(default=0.7, metadata={"help": "sampling temperature (0 = greedy)"})
     top_p: float = dataclasses.field(default=0.9, metadata={"help": "nucleus sampling: keep the top tokens of this mass"})
     batch_size: int = dataclasses.field(default=8, metadata={"help": "prompts generated together"})
+    grounded_share: float = dataclasses.field(
+        default=0.25, metadata={"help": "share of the chat samples that answer a grounded prompt (one holding "
+                                        "{passage}: a request about a passage of --passages text); 0 = none"})
+    passages: str = dataclasses.field(
+        default="builtin:train", metadata={"help": "the text grounded prompts quote: builtin:train or a local "
+                                                   ".txt/.jsonl/.parquet file or folder (never an evaluation split)"})
     shard_size: int = dataclasses.field(default=64, metadata={"help": "samples per parquet shard (the resume unit)"})
     prompts: str | None = dataclasses.field(
         default=None, metadata={"help": 'a .jsonl file of {"prompt": ..., "kind": "chat"|"text"} lines '
@@ -89,6 +104,11 @@ class GenerateOptions:
             raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"--top_p must be in (0, 1] (1 = no nucleus cut), got {self.top_p!r}")
+        if not (isinstance(self.grounded_share, (int, float)) and 0 <= self.grounded_share <= 1):
+            raise ValueError(f"--grounded_share must be in [0, 1] (0 = no grounded prompts), got {self.grounded_share!r}")
+        from .text import check_trainable
+
+        check_trainable(self.passages)  # the held-out and cross-domain text never reaches a prompt either
         return self
 
 
@@ -132,6 +152,70 @@ def prompt_order(num_prompts: int, seed: int, count: int) -> list[int]:
 
     order = data_order(num_prompts, seed, 0)
     return [next(order) for _ in range(count)]
+
+
+def is_grounded(entry: dict) -> bool:
+    """Whether a prompt-set entry is a grounded chat prompt (its text holds `{passage}`)."""
+    return entry["kind"] == "chat" and PASSAGE in entry["prompt"]
+
+
+def grounded_samples(count: int, share: float) -> list[bool]:
+    """Which of the first `count` chat samples answer a grounded prompt: `share` of them, evenly spaced (sample i
+    when floor((i + 1) * share) > floor(i * share)), so any prefix of the samples, and so a resumed or enlarged run,
+    keeps the share."""
+    return [math.floor((i + 1) * share) > math.floor(i * share) for i in range(count)]
+
+
+def chat_prompt_order(entries: list[tuple[int, dict]], seed: int, count: int, share: float) -> list[int]:
+    """Which entry of `entries` (the chat prompts) each of the first `count` chat samples answers: the grounded
+    samples (`grounded_samples`) go through the grounded prompts in seeded permutations, the others through the
+    rest (`prompt_order` each). Without grounded prompts every sample takes a plain one, and the other way round."""
+    grounded = [i for i, (_, entry) in enumerate(entries) if is_grounded(entry)]
+    plain = [i for i, (_, entry) in enumerate(entries) if not is_grounded(entry)]
+    flags = grounded_samples(count, share if grounded and plain else float(bool(grounded)))
+    orders = {True: iter(prompt_order(len(grounded), seed, sum(flags))),
+              False: iter(prompt_order(len(plain), seed, count - sum(flags)))}
+    pools = {True: grounded, False: plain}
+    return [pools[flag][next(orders[flag])] for flag in flags]
+
+
+def passage_documents(source: str) -> list[str]:
+    """The texts that grounded prompts quote from `source` (`builtin:train` or a local text source)."""
+    from .text import load_texts
+
+    texts = [text for text in load_texts(source)["text"] if len(text.split()) >= PASSAGE_WORDS[0]]
+    if not texts:
+        raise ValueError(f"--passages {source}: no text of at least {PASSAGE_WORDS[0]} words to quote; give "
+                         "longer texts or --grounded_share 0")
+    return texts
+
+
+def grounded_passage(texts: list[str], sample_seed_value: int) -> str:
+    """A passage of 60-180 words of one of `texts`, drawn by the sample's seed alone: a document, then a start just
+    after a sentence end (or the document's start), then a length, the end moved back to the last sentence end in
+    its second half. Whitespace is collapsed to single spaces."""
+    import random
+
+    draw = random.Random(sample_seed_value)
+    words = texts[draw.randrange(len(texts))].split()
+    length = draw.randint(*PASSAGE_WORDS)
+    start = draw.randrange(max(1, len(words) - length))
+    sentence_start = next((i + 1 for i in range(start, min(start + length // 2, len(words) - 1))
+                           if words[i].endswith((".", "!", "?"))), start)
+    if len(words) - sentence_start >= PASSAGE_WORDS[0]:
+        start = sentence_start
+    end = min(start + length, len(words))
+    sentence_end = next((i + 1 for i in range(end - 1, start + (end - start) // 2, -1)
+                         if words[i].endswith((".", "!", "?"))), end)
+    return " ".join(words[start:sentence_end])
+
+
+def fill_prompt(entry: dict, passages: list[str] | None, sample_seed_value: int) -> dict:
+    """The entry a sample answers: a grounded prompt with its `{passage}` filled in (`grounded_passage`), any other
+    as it is."""
+    if not is_grounded(entry):
+        return entry
+    return {**entry, "prompt": entry["prompt"].replace(PASSAGE, grounded_passage(passages, sample_seed_value))}
 
 
 def prompt_ids(tokenizer, kind: str, prompt: str) -> list[int]:
@@ -269,8 +353,8 @@ def _open_record(out: Path, settings: dict, num_samples: int) -> dict:
     path = out / RECORD
     if path.is_file():
         record = json.loads(path.read_text())
-        changed = [f"{key} was {record.get(key)!r}, now {settings[key]!r}" for key in _FIXED_ON_RESUME
-                   if record.get(key) != settings[key]]
+        changed = [f"{key} was {record.get(key)!r}, now {settings.get(key)!r}" for key in _FIXED_ON_RESUME
+                   if record.get(key) != settings.get(key)]
         if changed:
             raise ValueError(f"cannot resume {out}: {'; '.join(changed)}; resume with the same options, or write to a "
                              "new --output_dir")
@@ -311,6 +395,13 @@ def generate_data(options: GenerateOptions) -> dict:
         if not entries:
             raise ValueError(f"{options.prompts or PROMPTS_FILE} holds no {kind} prompts; add some or choose "
                              f"another --kind")
+    grounded = "chat" in kinds and options.grounded_share > 0 and any(is_grounded(p) for _, p in by_kind["chat"])
+    if "chat" in kinds and options.grounded_share == 0:  # grounded prompts are not answered at all
+        by_kind["chat"] = [(i, p) for i, p in by_kind["chat"] if not is_grounded(p)]
+        if not by_kind["chat"]:
+            raise ValueError(f"{options.prompts or PROMPTS_FILE} holds only grounded chat prompts (with {PASSAGE}); "
+                             "give --grounded_share above 0")
+    passages = passage_documents(options.passages) if grounded else None
 
     run = open_run_folder(Path(options.output_dir), "generate-data", overwrite=options.overwrite,
                           resume=options.resume)
@@ -319,7 +410,9 @@ def generate_data(options: GenerateOptions) -> dict:
                 "max_new_tokens": options.max_new_tokens, "temperature": float(options.temperature),
                 "top_p": float(options.top_p), "shard_size": options.shard_size,
                 "prompts": "built-in" if not options.prompts else Path(options.prompts).name,
-                "prompts_sha256": _sha256(Path(options.prompts).expanduser() if options.prompts else PROMPTS_FILE)}
+                "prompts_sha256": _sha256(Path(options.prompts).expanduser() if options.prompts else PROMPTS_FILE),
+                "grounded_share": float(options.grounded_share) if grounded else None,
+                "passages": options.passages if grounded else None}
     record = _open_record(out, settings, options.num_samples)
 
     size, count = options.shard_size, options.num_samples
@@ -330,13 +423,15 @@ def generate_data(options: GenerateOptions) -> dict:
     new_samples, new_tokens, started = 0, 0, time.perf_counter()
     for kind in kinds:
         entries = by_kind[kind]
-        order = prompt_order(len(entries), options.seed, count)
+        order = (chat_prompt_order(entries, options.seed, count, options.grounded_share) if kind == "chat"
+                 else prompt_order(len(entries), options.seed, count))
         for shard in shards[kind]:
             indices = range(shard * size, min((shard + 1) * size, count))
             rows = []
             for first in range(0, len(indices), options.batch_size):
                 batch = indices[first : first + options.batch_size]
-                chosen = [entries[order[i]] for i in batch]
+                chosen = [(prompt_index, fill_prompt(entry, passages, sample_seed(options.seed, kind, i)))
+                          for i, (prompt_index, entry) in zip(batch, (entries[order[i]] for i in batch))]
                 ids = [prompt_ids(tokenizer, kind, entry["prompt"]) for _, entry in chosen]
                 outputs = generate_batch(model, tokenizer, ids, [sample_seed(options.seed, kind, i) for i in batch],
                                          options.max_new_tokens, options.temperature, options.top_p)
@@ -515,6 +610,11 @@ __all__ = [
     "generated_folder",
     "generated_kinds",
     "generated_subfolder",
+    "chat_prompt_order",
+    "fill_prompt",
+    "grounded_passage",
+    "grounded_samples",
+    "is_grounded",
     "is_mixture",
     "load_prompts",
     "mixed_rows",
