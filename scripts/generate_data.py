@@ -1,6 +1,7 @@
 """`delta-attention generate-data TEACHER --output_dir OUT [--kind chat|text|both] [--num_samples N]`: teacher-written
-training data (answers to the built-in prompt set through the chat template, and/or continued text openings) as
-parquet shards; continue a killed run with `--resume`. Train on it with `distill --dataset generated:OUT`.
+training data (answers to the built-in prompt set through the chat template, a `--grounded_share` of them requests
+about a passage of training text, and/or continued text openings) as parquet shards; continue a killed run with
+`--resume`. Train on it with `distill --dataset generated:OUT`.
 """
 
 from __future__ import annotations
