@@ -38,7 +38,9 @@ _LOGGED: set[str] = set()  # the backend choices already logged
 
 
 def _log_once(message: str, level: int = logging.INFO) -> None:
-    if message not in _LOGGED:
+    # never while torch.compile traces: a logging call breaks the graph, which `fullgraph=True` refuses (a decode step
+    # compiled before any eager forward logged the choice failed that way)
+    if message not in _LOGGED and not torch.compiler.is_compiling():
         _LOGGED.add(message)
         logger.log(level, "delta rule: %s", message)
 

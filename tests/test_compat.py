@@ -122,9 +122,13 @@ def test_packed_position_ids_with_a_cache_are_refused():
 
 
 @pytest.mark.slow  # compiling takes about two minutes on a 2-core CPU
-def test_compiled_decode_step_with_a_static_cache_matches_eager():
+def test_compiled_decode_step_with_a_static_cache_matches_eager(monkeypatch):
     # `generate(compile_config=...)` compiles only on accelerators (transformers' `_valid_auto_compile_criteria`),
     # so compile the decode step directly, as a CPU user would
+    from delta_attention.modeling import delta_rule
+
+    # as in a fresh process: the kernel choice not logged yet (the log call once broke the full graph)
+    monkeypatch.setattr(delta_rule, "_LOGGED", set())
     model = build("hybrid")
     prompt = tokens(2, 9, seed=2)
 
