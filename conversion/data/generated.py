@@ -191,8 +191,8 @@ def passage_documents(source: str) -> list[str]:
 
 
 def grounded_passage(texts: list[str], sample_seed_value: int) -> str:
-    """A passage of 60-180 words of one of `texts`, drawn by the sample's seed alone: a document, then a start just
-    after a sentence end (or the document's start), then a length, the end moved back to the last sentence end in
+    """A passage of one of `texts`, drawn by the sample's seed alone: a document, then a start just after a sentence
+    end (or the document's start), then a length of 60-180 words, the end moved back to the last sentence end in
     its second half. Whitespace is collapsed to single spaces."""
     import random
 
