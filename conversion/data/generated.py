@@ -45,8 +45,8 @@ GENERATED_PREFIX = "generated:"
 #: written in the output folder: the settings that determine the text, and the progress
 RECORD = "generation.json"
 #: what must be the same to resume a folder (the sample count may grow)
-_FIXED_ON_RESUME = ("teacher", "kinds", "seed", "max_new_tokens", "temperature", "top_p", "shard_size", "prompts_sha256",
-                    "grounded_share", "passages")
+_FIXED_ON_RESUME = ("teacher", "kinds", "seed", "max_new_tokens", "temperature", "top_p", "shard_size",
+                    "prompts_sha256", "grounded_share", "passages")
 #: the placeholder of a grounded prompt, replaced by a passage of training text
 PASSAGE = "{passage}"
 #: words per passage of a grounded prompt (from a sentence start; cut at a sentence end where one is near)
@@ -105,7 +105,8 @@ class GenerateOptions:
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"--top_p must be in (0, 1] (1 = no nucleus cut), got {self.top_p!r}")
         if not (isinstance(self.grounded_share, (int, float)) and 0 <= self.grounded_share <= 1):
-            raise ValueError(f"--grounded_share must be in [0, 1] (0 = no grounded prompts), got {self.grounded_share!r}")
+            raise ValueError(f"--grounded_share must be in [0, 1] (0 = no grounded prompts), "
+                             f"got {self.grounded_share!r}")
         from .text import check_trainable
 
         check_trainable(self.passages)  # the held-out and cross-domain text never reaches a prompt either
@@ -604,14 +605,14 @@ __all__ = [
     "GenerateOptions",
     "PROMPTS_FILE",
     "SeededSampling",
+    "chat_prompt_order",
     "check_sources",
+    "fill_prompt",
     "generate_batch",
     "generate_data",
     "generated_folder",
     "generated_kinds",
     "generated_subfolder",
-    "chat_prompt_order",
-    "fill_prompt",
     "grounded_passage",
     "grounded_samples",
     "is_grounded",
