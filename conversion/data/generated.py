@@ -431,11 +431,12 @@ def generate_data(options: GenerateOptions) -> dict:
             rows = []
             for first in range(0, len(indices), options.batch_size):
                 batch = indices[first : first + options.batch_size]
-                chosen = [(prompt_index, fill_prompt(entry, passages, sample_seed(options.seed, kind, i)))
-                          for i, (prompt_index, entry) in zip(batch, (entries[order[i]] for i in batch))]
+                seeds = [sample_seed(options.seed, kind, i) for i in batch]  # a sample's passage and its draws
+                chosen = [(entries[order[i]][0], fill_prompt(entries[order[i]][1], passages, seed))
+                          for i, seed in zip(batch, seeds)]
                 ids = [prompt_ids(tokenizer, kind, entry["prompt"]) for _, entry in chosen]
-                outputs = generate_batch(model, tokenizer, ids, [sample_seed(options.seed, kind, i) for i in batch],
-                                         options.max_new_tokens, options.temperature, options.top_p)
+                outputs = generate_batch(model, tokenizer, ids, seeds, options.max_new_tokens, options.temperature,
+                                         options.top_p)
                 for i, (prompt_index, entry), prompt, (new_ids, finished) in zip(batch, chosen, ids, outputs):
                     rows.append(_sample_row(tokenizer, kind, i, entry, prompt_index, prompt, new_ids, finished))
                     new_tokens += len(new_ids)
