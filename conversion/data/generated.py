@@ -191,14 +191,15 @@ def passage_documents(source: str) -> list[str]:
     return texts
 
 
-def grounded_passage(texts: list[str], sample_seed_value: int) -> str:
-    """A passage of one of `texts`, drawn by the sample's seed alone: a document, then a start just after a sentence
-    end (or the document's start), then a length of 60-180 words, the end moved back to the last sentence end in
-    its second half. Whitespace is collapsed to single spaces."""
+def passage_span(texts: list[str], sample_seed_value: int) -> tuple[int, int, int]:
+    """Where the passage of a sample lies, drawn by the sample's seed alone: (index of the text, first word, end
+    word), words as `str.split` gives them. A text, then a start just after a sentence end (or the text's start),
+    then a length of 60-180 words, the end moved back to the last sentence end in its second half."""
     import random
 
     draw = random.Random(sample_seed_value)
-    words = texts[draw.randrange(len(texts))].split()
+    document = draw.randrange(len(texts))
+    words = texts[document].split()
     length = draw.randint(*PASSAGE_WORDS)
     start = draw.randrange(max(1, len(words) - length))
     sentence_start = next((i + 1 for i in range(start, min(start + length // 2, len(words) - 1))
@@ -208,7 +209,14 @@ def grounded_passage(texts: list[str], sample_seed_value: int) -> str:
     end = min(start + length, len(words))
     sentence_end = next((i + 1 for i in range(end - 1, start + (end - start) // 2, -1)
                          if words[i].endswith((".", "!", "?"))), end)
-    return " ".join(words[start:sentence_end])
+    return document, start, sentence_end
+
+
+def grounded_passage(texts: list[str], sample_seed_value: int) -> str:
+    """The passage of one of `texts` that a grounded prompt quotes (`passage_span`), whitespace collapsed to single
+    spaces."""
+    document, start, end = passage_span(texts, sample_seed_value)
+    return " ".join(texts[document].split()[start:end])
 
 
 def fill_prompt(entry: dict, passages: list[str] | None, sample_seed_value: int) -> dict:
@@ -511,20 +519,25 @@ def parse_sources(spec: str) -> list[tuple[str, float | None]]:
 
 
 def check_sources(spec: str) -> None:
-    """The checks of a `--dataset` that read no data: every source of a mix may be trained on
-    (`text.check_trainable`), every `generated:` folder was written by generate-data."""
+    """The checks of a `--dataset` that read no data: every source of a mix (the text of a `quote:` source) may be
+    trained on (`text.check_trainable`), every `generated:` folder was written by generate-data."""
     from .text import check_trainable
 
+    from .quotes import QUOTE_PREFIX, quote_source
+
     for source, _ in parse_sources(spec):
-        check_trainable(source)
+        check_trainable(quote_source(source) if source.startswith(QUOTE_PREFIX) else source)
         if source.startswith(GENERATED_PREFIX):
             generated_folder(source)
 
 
 def is_mixture(spec: str) -> bool:
-    """Whether `spec` needs `mixed_rows`: several sources, a weight, or teacher-generated data."""
+    """Whether `spec` needs `mixed_rows`: several sources, a weight, teacher-generated data or quote data."""
+    from .quotes import QUOTE_PREFIX
+
     parts = parse_sources(spec) if str(spec).strip() else []
-    return len(parts) > 1 or any(w is not None or name.startswith(GENERATED_PREFIX) for name, w in parts)
+    return len(parts) > 1 or any(w is not None or name.startswith((GENERATED_PREFIX, QUOTE_PREFIX))
+                                 for name, w in parts)
 
 
 def _text_rows(options, tokenizer) -> dict:
@@ -534,22 +547,24 @@ def _text_rows(options, tokenizer) -> dict:
     return blocks if isinstance(blocks, dict) else {"input_ids": blocks}
 
 
-def _chat_rows(folder: Path, options, tokenizer) -> dict:
-    """Rows of the chat samples in `folder` with completion-only `labels`: with boundary packing, as many samples to
+def _chat_rows(conversations, options, tokenizer) -> dict:
+    """Rows of chat `conversations` with completion-only `labels`: with boundary packing, as many conversations to
     a row as fit, each with position ids from 0 (`chat.packed_chat_rows`, which stack with packed text rows); with
-    plain packing, one right-padded sample a row."""
-    from .text import load_texts
-
-    table = load_texts(str(folder), text_column="messages", column_flag="--messages_column")
+    plain packing, one right-padded conversation a row."""
     if options.packing == "boundary":
-        return packed_chat_rows(tokenizer, table["text"], options.seq_len, completion_only=True)
-    rows = chat_rows(tokenizer, table["text"], options.seq_len, completion_only=True)
+        return packed_chat_rows(tokenizer, conversations, options.seq_len, completion_only=True)
+    rows = chat_rows(tokenizer, conversations, options.seq_len, completion_only=True)
     rows.pop("attention_mask")  # right padding: causal models never look at it, and the labels leave it out
     return rows
 
 
 def _source_rows(source: str, options, tokenizer) -> list[dict]:
     """The row sets of one source: packed text blocks and/or chat rows with completion-only labels."""
+    from .quotes import QUOTE_PREFIX, quote_conversations
+    from .text import load_texts
+
+    if source.startswith(QUOTE_PREFIX):
+        return [_chat_rows(quote_conversations(source, options.seed), options, tokenizer)]
     if not source.startswith(GENERATED_PREFIX):
         return [_text_rows(dataclasses.replace(options, dataset=source), tokenizer)]
     folder = generated_folder(source)
@@ -561,7 +576,8 @@ def _source_rows(source: str, options, tokenizer) -> list[dict]:
         text = dataclasses.replace(options, dataset=str(folder / "text"), text_column="text", dataset_split="train")
         rows.append(_text_rows(text, tokenizer))
     if "chat" in kinds:
-        rows.append(_chat_rows(folder / "chat", options, tokenizer))
+        table = load_texts(str(folder / "chat"), text_column="messages", column_flag="--messages_column")
+        rows.append(_chat_rows(table["text"], options, tokenizer))
     return rows
 
 
@@ -621,6 +637,7 @@ __all__ = [
     "load_prompts",
     "mixed_rows",
     "parse_sources",
+    "passage_span",
     "prompt_ids",
     "prompt_order",
     "sample_seed",

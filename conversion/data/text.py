@@ -7,8 +7,9 @@ A data source is one of
   `builtin:crossdomain` (the corpora held out whole) and `builtin:heldout:<corpus>` (one corpus's part of those);
 * a local file or folder of `.txt`, `.jsonl`/`.json` or `.parquet` files;
 * a Hub dataset name, optionally `name:config` (loaded with `datasets.load_dataset`);
-* `generated:OUT`, the samples `generate-data` wrote (`generated.py`), and mixes of sources by weight,
-  `builtin:train@0.5+generated:OUT@0.5` (`generated.mixed_rows`).
+* `generated:OUT`, the samples `generate-data` wrote (`generated.py`);
+* `quote:SOURCE`, chat turns that copy passages of SOURCE back (`quotes.py`);
+* mixes of sources by weight, `builtin:train@0.5+generated:OUT@0.5` (`generated.mixed_rows`).
 Texts are tokenised, joined with the EOS token between documents and cut into blocks of `seq_len` tokens.
 With `packing="boundary"` (the default) every block comes with `position_ids` that restart at 0 after each EOS
 (a document cut by a block boundary starts its block at 0 too), as transformers' `DataCollatorWithFlattening`
@@ -42,7 +43,8 @@ class DataOptions:
     dataset: str = dataclasses.field(
         default="builtin:train",
         metadata={"help": "builtin:train[:CORPUS=WEIGHT,...], a local txt/jsonl/parquet file or folder, or a Hub "
-                          "dataset name[:config]; generated:OUT (samples of generate-data); a mix A@0.7+B@0.3"},
+                          "dataset name[:config]; generated:OUT (samples of generate-data); quote:SOURCE (chat turns copying "
+                          "passages of SOURCE); a mix A@0.7+B@0.3"},
     )
     dataset_split: str = dataclasses.field(default="train", metadata={"help": "split of a Hub/local dataset"})
     text_column: str = dataclasses.field(default="text", metadata={"help": "column holding the text"})
