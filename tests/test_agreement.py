@@ -16,9 +16,11 @@ from delta_attention.conversion.evaluation.agreement import (
     answer_prompts,
     chat_prompt_ids,
     continuation_agreement,
+    copy_accuracy,
     greedy_continuations,
     matching_prefix_lengths,
     measure_agreement,
+    repeated_passages,
     repetition_of_answer,
     repetition_rate,
     top1_agreement,
@@ -68,6 +70,21 @@ def test_top1_agreement_is_the_share_of_positions_with_the_same_argmax():
     assert top1_agreement(student, teacher) == 5 / 8
     with pytest.raises(ValueError, match=r"top-1 predictions of different shapes: \(2, 4\) vs \(1, 4\)"):
         top1_agreement(student, teacher[:1])
+
+
+def test_copy_accuracy_counts_the_second_readings_predictions_of_the_passages_next_token():
+    windows = torch.tensor([[0, 1, 2, 3, 9], [4, 5, 6, 7, 9], [8, 8, 8, 8, 8]])
+    repeated = repeated_passages(windows, count=2, tokens=4)
+    assert repeated.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3], [4, 5, 6, 7, 4, 5, 6, 7]]
+    # the successor table predicts t + 1: right at every second-reading position of the first passage (1 -> 2,
+    # 2 -> 3 and 0 -> 1 are all successors) and of the second (5 -> 6, 6 -> 7, 4 -> 5)
+    assert copy_accuracy(top1_predictions(TEACHER, repeated), repeated) == 1.0
+    # the student predicts 9 after 5: wrong at the second passage's position 5 (one of six counted positions)
+    assert copy_accuracy(top1_predictions(STUDENT, repeated), repeated) == 5 / 6
+    # the positions counted are T .. 2T - 2: predictions elsewhere (here all wrong) do not count
+    predictions = torch.full_like(repeated, 15)
+    predictions[:, 4:7] = repeated[:, 5:8]
+    assert copy_accuracy(predictions, repeated) == 1.0
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
@@ -152,6 +169,8 @@ def test_a_model_agrees_with_itself_fully_and_less_with_another(tmp_path):
     assert len(same["answers"]) == 12
     assert all(a["teacher"] == a["student"] and a["teacher_sampled"] == a["student_sampled"] for a in same["answers"])
     assert same["repetition"]["teacher"] == same["repetition"]["student"]
+    assert same["copy"]["passages"] == 4 and same["copy"]["tokens"] == 16  # copy_tokens cut to the windows' 16
+    assert same["copy"]["teacher"] == same["copy"]["student"]
 
     other = copy.deepcopy(model).train()  # the model with noise of a tenth of each weight's spread added
     torch.manual_seed(0)
@@ -173,6 +192,7 @@ RECORD = {
                      "full_match": 0.0625},
     "repetition": {"ngram": 3, "answer_tokens": 64, "sampling": {"temperature": 0.7, "top_p": 0.9, "top_k": 0},
                    "teacher": {"greedy": 0.05, "sampled": 0.0}, "student": {"greedy": 0.2, "sampled": 0.125}},
+    "copy": {"passages": 4, "tokens": 128, "teacher": 0.9375, "student": 0.5},
     "answers": [{"prompt": "Write a short list of three fruits.", "teacher": "1. Apple | 2. Pear\n3. Plum",
                  "student": "", "teacher_sampled": "Apple", "student_sampled": "lemon"}],
 }
@@ -188,6 +208,8 @@ def test_agreement_report_rendering():
         "| answers | smollm2 | hybrid |",
         "| greedy | 5.0% | 20.0% |",
         "| sampled | 0.0% | 12.5% |",
+        "In-context copying: top-1 accuracy on the second reading of a passage read twice (4 passages of 128 tokens):",
+        "| 93.8% | 50.0% |",
         "### Greedy answers to the fixed prompts",
         "| Write a short list of three fruits. | 1. Apple \\| 2. Pear<br>3. Plum | (empty) |",
     ]:
@@ -195,6 +217,8 @@ def test_agreement_report_rendering():
     assert "mean over 1 fixed chat prompts (at most 64 new tokens; sampled with temperature 0.7, top_p 0.9)" \
         in text
     assert agreement_markdown(RECORD, level=3).startswith("### Agreement with the teacher")
+    older = {key: value for key, value in RECORD.items() if key != "copy"}  # a record from before copy accuracy
+    assert "In-context copying" not in agreement_markdown(older)
 
 
 def test_distill_report_and_card_show_agreement(tmp_path):

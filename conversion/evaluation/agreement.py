@@ -12,7 +12,11 @@ Four measures, every one on inputs that both models get identically:
   (`REPETITION_NGRAM` = 3 words; words are the runs of letters/digits of the lowercased text) that repeat an
   n-gram seen earlier in the same answer, i.e. `1 - distinct / total`; 0 for an answer shorter than n words;
   the rate of a set of answers is the mean over the answers;
-* the teacher's and the student's greedy answers to the same prompts, side by side (`agreement_markdown`).
+* the teacher's and the student's greedy answers to the same prompts, side by side (`agreement_markdown`);
+* **in-context copying**, of each model alone: the first `copy_windows` teacher-forced windows, cut to `copy_tokens`
+  tokens, are each read twice in a row, and the copy accuracy is the share of positions of the second reading
+  (after its first token) where the model's top-1 prediction is the next token of the text it has already seen:
+  the induction that quoting, retrieval and prompt-lookup decoding rely on.
 
 Per-model work (`model_outputs`) is separate from the comparison (`compare_outputs`), so `evaluate` can load
 one model at a time; `measure_agreement` does both for two loaded models (`distill`).
@@ -66,13 +70,15 @@ class AgreementSettings:
     answer_tokens: int = 64  # most new tokens of a chat answer
     batch_size: int = 16
     seed: int = 0  # seed of the sampled answers
+    copy_windows: int = 4  # passages read twice for the copy accuracy (the first teacher-forced windows)
+    copy_tokens: int = 128  # tokens per passage (seq_len when it is shorter)
 
     def validate(self) -> AgreementSettings:
         """Raise a `ValueError` naming the setting that cannot work."""
-        for name in ("seq_len", "prompt_tokens"):
+        for name in ("seq_len", "prompt_tokens", "copy_tokens"):
             if getattr(self, name) < 2:
                 raise ValueError(f"agreement {name} must be at least 2, got {getattr(self, name)}")
-        for name in ("tokens", "prompts", "new_tokens", "answer_tokens", "batch_size"):
+        for name in ("tokens", "prompts", "new_tokens", "answer_tokens", "batch_size", "copy_windows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"agreement {name} must be at least 1, got {getattr(self, name)}")
         return self
@@ -124,6 +130,21 @@ def top1_predictions(model, windows: torch.Tensor, batch_size: int = 4, desc: st
         logits = model(input_ids=windows[start : start + batch_size].to(device), use_cache=False).logits  # [B, L, V]
         predictions.append(logits.argmax(-1).cpu())
     return torch.cat(predictions)
+
+
+def repeated_passages(windows: torch.Tensor, count: int, tokens: int) -> torch.Tensor:
+    """`[n, 2 * tokens]`: the first `tokens` tokens of the first `count` of `windows` `[N, L]`, each twice in a row
+    (n = min(count, N))."""
+    passages = windows[:count, :tokens]
+    return torch.cat([passages, passages], dim=1)
+
+
+def copy_accuracy(predictions: torch.Tensor, repeated: torch.Tensor) -> float:
+    """Share of the second reading's predictions, past its first token, that are the passage's next token:
+    `predictions` `[n, 2T]` are the top-1 next tokens at each position of `repeated` `[n, 2T]`, and positions
+    T .. 2T - 2 should predict tokens T + 1 .. 2T - 1 (T - 1 per passage)."""
+    tokens = repeated.shape[1] // 2
+    return (predictions[:, tokens:-1] == repeated[:, tokens + 1:]).double().mean().item()
 
 
 @torch.no_grad()
@@ -186,6 +207,8 @@ def model_outputs(model, tokenizer, inputs: AgreementInputs, settings: Agreement
         batch = settings.batch_size
         return {
             "top1": top1_predictions(model, inputs.windows, min(batch, 4), desc=f"{name}: top-1"),
+            "copy": top1_predictions(model, repeated_passages(inputs.windows, settings.copy_windows,
+                                                              settings.copy_tokens), min(batch, 4)),
             "continuations": greedy_continuations(model, inputs.prompts, settings.new_tokens, batch,
                                                   desc=f"{name}: continuations"),
             "greedy": answer_prompts(model, tokenizer, inputs.chat_ids, settings.answer_tokens, False,
@@ -240,6 +263,7 @@ def repetition_rate(answers: list[str], n: int = REPETITION_NGRAM) -> float:
 def compare_outputs(student: dict, teacher: dict, inputs: AgreementInputs, settings: AgreementSettings,
                     dataset: str) -> dict:
     """The agreement record (JSON-ready) from the `model_outputs` of the student and the teacher."""
+    repeated = repeated_passages(inputs.windows, settings.copy_windows, settings.copy_tokens)
     return {
         "dataset": dataset,
         "top1_agreement": top1_agreement(student["top1"], teacher["top1"]),
@@ -247,6 +271,9 @@ def compare_outputs(student: dict, teacher: dict, inputs: AgreementInputs, setti
         "continuation": {"prompts": len(inputs.prompts), "prompt_tokens": settings.prompt_tokens,
                          "new_tokens": settings.new_tokens,
                          **continuation_agreement(student["continuations"], teacher["continuations"])},
+        "copy": {"passages": len(repeated), "tokens": repeated.shape[1] // 2,
+                 **{who: copy_accuracy(outputs["copy"], repeated)
+                    for who, outputs in (("teacher", teacher), ("student", student))}},
         "repetition": {"ngram": REPETITION_NGRAM, "answer_tokens": settings.answer_tokens, "sampling": SAMPLING,
                        **{who: {mode: repetition_rate(outputs[mode]) for mode in ("greedy", "sampled")}
                           for who, outputs in (("teacher", teacher), ("student", student))}},
@@ -274,6 +301,15 @@ def _cell(text: str) -> str:
     return text or "(empty)"
 
 
+def _copy_lines(copy: dict | None, student: str, teacher: str) -> list[str]:
+    """The copy-accuracy table of `agreement_markdown` (nothing for a record written before it was measured)."""
+    if not copy:
+        return []
+    return ["", f"In-context copying: top-1 accuracy on the second reading of a passage read twice ({copy['passages']} "
+                f"passages of {copy['tokens']} tokens):", "",
+            f"| {teacher} | {student} |", "|---:|---:|", f"| {copy['teacher']:.1%} | {copy['student']:.1%} |"]
+
+
 def agreement_markdown(agreement: dict, student: str = "student", teacher: str = "teacher", level: int = 2) -> str:
     """The agreement record as markdown: measures, repetition rates, and the greedy answers side by side."""
     head, sub = "#" * level, "#" * (level + 1)
@@ -293,6 +329,7 @@ def agreement_markdown(agreement: dict, student: str = "student", teacher: str =
         f"{sampling}):", "",
         f"| answers | {teacher} | {student} |", "|---|---:|---:|",
         *(f"| {mode} | {rep['teacher'][mode]:.1%} | {rep['student'][mode]:.1%} |" for mode in ("greedy", "sampled")),
+        *_copy_lines(agreement.get("copy"), student, teacher),
         "", f"{sub} Greedy answers to the fixed prompts", "",
         f"| prompt | {teacher} | {student} |", "|---|---|---|",
         *(f"| {_cell(a['prompt'])} | {_cell(a['teacher'])} | {_cell(a['student'])} |" for a in agreement["answers"]),
@@ -312,11 +349,13 @@ __all__ = [
     "chat_prompt_ids",
     "compare_outputs",
     "continuation_agreement",
+    "copy_accuracy",
     "greedy_continuations",
     "matching_prefix_lengths",
     "measure_agreement",
     "model_outputs",
     "repetition_of_answer",
+    "repeated_passages",
     "repetition_rate",
     "top1_agreement",
     "top1_predictions",
