@@ -521,9 +521,8 @@ def parse_sources(spec: str) -> list[tuple[str, float | None]]:
 def check_sources(spec: str) -> None:
     """The checks of a `--dataset` that read no data: every source of a mix (the text of a `quote:` source) may be
     trained on (`text.check_trainable`), every `generated:` folder was written by generate-data."""
-    from .text import check_trainable
-
     from .quotes import QUOTE_PREFIX, quote_source
+    from .text import check_trainable
 
     for source, _ in parse_sources(spec):
         check_trainable(quote_source(source) if source.startswith(QUOTE_PREFIX) else source)
