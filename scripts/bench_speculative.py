@@ -43,6 +43,8 @@ from delta_attention.conversion.memory import human_bytes
 from delta_attention.modeling import DeltaConfig, DeltaForCausalLM, load_cache, save_cache
 
 METHODS = ("greedy", "prompt lookup", "assistant")
+#: consecutive tokens found in the prompt that count an answer's tokens as copied (`copied_share`)
+COPY_RUN = 8
 TASKS = ("grounded", "continuation", "document")
 QUOTE_REQUEST = "Repeat the passage above word for word."
 QUESTION = "\n\nQuestion: What is the text above about? Answer in one sentence.\nAnswer:"
@@ -214,6 +216,18 @@ def generate_timed(model, input_ids: torch.Tensor, method: str, options: Specula
     return {"tokens": output[0, input_ids.shape[1] :], "seconds": seconds, **(counts if counters else {})}
 
 
+def copied_share(output: list[int], prompt: list[int], run: int = COPY_RUN) -> float:
+    """Share of the `output` tokens that lie in a run of at least `run` consecutive tokens also found in `prompt`:
+    how much of an answer quotes its input. Prompt lookup accepts drafts copied from the prompt or from the answer's
+    own earlier tokens, so a looping answer is accepted too; this tells the two apart."""
+    runs = {tuple(prompt[i : i + run]) for i in range(len(prompt) - run + 1)}
+    covered = [False] * len(output)
+    for start in range(len(output) - run + 1):
+        if tuple(output[start : start + run]) in runs:
+            covered[start : start + run] = [True] * run
+    return sum(covered) / len(output) if output else 0.0
+
+
 def _row(task: str, method: str, runs: list[dict], reference: list[torch.Tensor] | None) -> dict:
     """One table row: `runs` of `method` over the task's prompts, against the greedy outputs `reference`."""
     tokens = sum(r["tokens"].numel() for r in runs)
@@ -249,12 +263,15 @@ def measure_generation(model, draft, prompts: dict[str, list[torch.Tensor]], opt
                 except (ValueError, RuntimeError) as error:
                     errors[method] = " ".join(str(error).split())
         reference = [r["tokens"] for r in runs["greedy"]]
+        copied = [copied_share(out.tolist(), ids[0].tolist()) for out, ids in zip(reference, task_prompts)]
         for method in methods:
             if method in errors:
                 rows.append({"task": task, "method": method, "error": errors[method]})
                 log(f"  {task:12s} {method:14s} failed: {errors[method]}")
                 continue
             row = _row(task, method, runs[method], None if method == "greedy" else reference)
+            if method == "greedy":
+                row["copied"] = sum(copied) / len(copied)
             row["speedup"] = row["tokens_per_second"] / rows_greedy(rows, task)["tokens_per_second"] if (
                 method != "greedy") else 1.0
             rows.append(row)
@@ -375,18 +392,22 @@ def markdown_tables(report: dict) -> list[str]:
     lines = [f"Speculative decoding: greedy, up to {options['new_tokens']} new tokens per prompt, "
              f"{options['passages']} held-out passages of {options['passage_tokens']} tokens per task; prompt lookup "
              f"drafts {options['lookup_tokens']} tokens ({options['lookup_ngram']}-gram match).", "",
-             "| model | task | method | tokens/s | vs greedy | acceptance | tokens per step | identical to greedy |",
-             "|---|---|---|---:|---:|---:|---:|---|"]
+             f"Copied: the share of the greedy answer's tokens in a run of {COPY_RUN} or more tokens found in the "
+             "prompt (a looping answer has its drafts accepted too, from its own tokens).", "",
+             "| model | task | method | tokens/s | vs greedy | acceptance | tokens per step | identical to greedy "
+             "| copied |",
+             "|---|---|---|---:|---:|---:|---:|---|---:|"]
     for name, result in report["models"].items():
         for row in result["generation"]:
             if "error" in row:
-                lines.append(f"| {name} | {row['task']} | {row['method']} | failed: {row['error']} | | | | |")
+                lines.append(f"| {name} | {row['task']} | {row['method']} | failed: {row['error']} | | | | | |")
                 continue
             acceptance = f"{row['acceptance']:.0%}" if "acceptance" in row else "-"
             per_step = f"{row['tokens_per_step']:.2f}" if "tokens_per_step" in row else "-"
             identical = f"{row['identical']}/{row['prompts']}" if "identical" in row else "(reference)"
+            copied = f"{row['copied']:.0%}" if "copied" in row else "-"
             lines.append(f"| {name} | {row['task']} | {row['method']} | {row['tokens_per_second']:.1f} | "
-                         f"{row['speedup']:.2f}x | {acceptance} | {per_step} | {identical} |")
+                         f"{row['speedup']:.2f}x | {acceptance} | {per_step} | {identical} | {copied} |")
     lines += ["", "Assistants: " + "; ".join(f"{name}: {r['draft']}" for name, r in report["models"].items()), ""]
     documents = {name: r["document"] for name, r in report["models"].items() if "document" in r}
     if documents:

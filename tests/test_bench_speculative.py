@@ -70,8 +70,12 @@ def test_speculative_benchmark_runs_end_to_end(tmp_path):
     written = json.loads((tmp_path / "speculative.json").read_text())
     assert written["models"].keys() == results.keys()
     table = (tmp_path / "speculative.md").read_text()
-    header = "| model | task | method | tokens/s | vs greedy | acceptance | tokens per step | identical to greedy |"
+    header = ("| model | task | method | tokens/s | vs greedy | acceptance | tokens per step | identical to greedy "
+              "| copied |")
     assert header in table
+    for name, result in results.items():
+        for row in result["generation"]:
+            assert ("copied" in row) == (row["method"] == "greedy") and 0 <= row.get("copied", 0) <= 1
     assert "| hybrid | grounded | prompt lookup |" in table and "| all_delta | 48 |" in table
     assert "prompt lookup on the grounded task" in table and "first token from the saved 48-token state" in table
     assert (tmp_path / "speculative.png").stat().st_size > 0
@@ -107,3 +111,13 @@ def test_bad_options_are_one_line_errors():
         bench.SpeculativeOptions(document_tokens=5000).validate()
     with pytest.raises(ValueError, match=r"^--new_tokens must be >= 1, got 0$"):
         bench.SpeculativeOptions(new_tokens=0).validate()
+
+
+def test_copied_share_counts_answer_tokens_in_runs_found_in_the_prompt():
+    prompt = list(range(20))
+    # tokens 3..10 (8 in a row) are in the prompt; then a loop of 7s; then 12..18 (7 in a row: one short of a run)
+    answer = list(range(3, 11)) + [7] * 4 + list(range(12, 19))
+    assert bench.copied_share(answer, prompt) == 8 / 19
+    assert bench.copied_share(answer, prompt, run=7) == 15 / 19
+    assert bench.copied_share(list(range(2, 20)), prompt) == 1.0  # overlapping runs cover each token once
+    assert bench.copied_share([], prompt) == 0.0 and bench.copied_share([1, 2], prompt) == 0.0
