@@ -11,8 +11,8 @@ the teacher's copying where the teacher copies, without the teacher generating a
 
 Passages are drawn like generate-data's grounded passages (`generated.passage_span`: 60-180 words from a sentence
 start to a sentence end) but keep the text's own line breaks and spacing. Conversation i is drawn by its own seed
-(`generated.sample_seed(seed, "quote", i)`) and asks request i in turn, so the data is a function of the source and `--seed` only. Evaluation
-splits are refused as sources (`text.check_trainable`).
+(`generated.sample_seed(seed, "quote", i)`) and asks request i in turn, so the data is a function of the source
+and `--seed` only. Evaluation splits are refused as sources (`text.check_trainable`).
 """
 
 from __future__ import annotations

@@ -43,8 +43,8 @@ class DataOptions:
     dataset: str = dataclasses.field(
         default="builtin:train",
         metadata={"help": "builtin:train[:CORPUS=WEIGHT,...], a local txt/jsonl/parquet file or folder, or a Hub "
-                          "dataset name[:config]; generated:OUT (samples of generate-data); quote:SOURCE (chat turns copying "
-                          "passages of SOURCE); a mix A@0.7+B@0.3"},
+                          "dataset name[:config]; generated:OUT (samples of generate-data); quote:SOURCE (chat turns "
+                          "copying passages of SOURCE); a mix A@0.7+B@0.3"},
     )
     dataset_split: str = dataclasses.field(default="train", metadata={"help": "split of a Hub/local dataset"})
     text_column: str = dataclasses.field(default="text", metadata={"help": "column holding the text"})
