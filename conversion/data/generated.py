@@ -180,14 +180,17 @@ def chat_prompt_order(entries: list[tuple[int, dict]], seed: int, count: int, sh
     return [pools[flag][next(orders[flag])] for flag in flags]
 
 
-def passage_documents(source: str) -> list[str]:
-    """The texts that grounded prompts quote from `source` (`builtin:train` or a local text source)."""
+def passage_documents(source: str, named: str | None = None,
+                      fix: str = "give longer texts or --grounded_share 0") -> list[str]:
+    """The texts of `source` (`builtin:train` or a local text source) long enough to draw a passage from
+    (`passage_span`); none is a `ValueError` naming the source as `named` (default `--passages SOURCE`) and the
+    `fix`."""
     from .text import load_texts
 
     texts = [text for text in load_texts(source)["text"] if len(text.split()) >= PASSAGE_WORDS[0]]
     if not texts:
-        raise ValueError(f"--passages {source}: no text of at least {PASSAGE_WORDS[0]} words to quote; give "
-                         "longer texts or --grounded_share 0")
+        raise ValueError(f"{named or f'--passages {source}'}: no text of at least {PASSAGE_WORDS[0]} words to "
+                         f"quote; {fix}")
     return texts
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from .generated import PASSAGE, PASSAGE_WORDS, passage_span, sample_seed
+from .generated import PASSAGE, passage_documents, passage_span, sample_seed
 
 QUOTE_PREFIX = "quote:"
 #: conversations a `quote:` source holds (more than any stage-2 budget reads at a quarter share)
@@ -80,14 +80,11 @@ def quote_conversations(source: str, seed: int, count: int = QUOTE_CONVERSATIONS
     """The conversations of a `quote:SOURCE` dataset source: `count` of them, the i-th asking request i modulo the
     number of requests about a passage drawn by `sample_seed(seed, "quote", i)` from the texts of SOURCE of at least
     60 words."""
-    from .text import check_trainable, load_texts
+    from .text import check_trainable
 
     inner = quote_source(source)
     check_trainable(inner)
-    texts = [text for text in load_texts(inner)["text"] if len(text.split()) >= PASSAGE_WORDS[0]]
-    if not texts:
-        raise ValueError(f"--dataset {source}: no text of at least {PASSAGE_WORDS[0]} words to quote; quote longer "
-                         "texts")
+    texts = passage_documents(inner, named=f"--dataset {source}", fix="quote longer texts")
     return [quote_conversation(texts, sample_seed(seed, "quote", index), index % len(QUOTE_REQUESTS))
             for index in range(count)]
 
