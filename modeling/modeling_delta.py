@@ -27,7 +27,6 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, slice_logits_to_keep
 from transformers.models.llama.modeling_llama import (
-    LlamaMLP,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
@@ -47,6 +46,7 @@ from .delta_cache import (
 from .delta_block import block_delta_rule
 from .delta_prefill import KeptHidden, release_freed_memory
 from .delta_rule import chunk_delta_rule, delta_step_inplace, recurrent_delta_rule
+from .few_rows_linear import DeltaLinear, few_rows_linear
 
 
 MASK_FUNCTIONS = {
@@ -116,8 +116,8 @@ class FusedLinear:
 
     @staticmethod
     def _plain(linear: nn.Module) -> bool:
-        # a plain `nn.Linear` (not a PEFT or quantized wrapper) without accelerate hooks
-        return type(linear) is nn.Linear and "_hf_hook" not in linear.__dict__
+        # a plain `nn.Linear` or `DeltaLinear` (not a PEFT or quantized wrapper) without accelerate hooks
+        return type(linear) in (nn.Linear, DeltaLinear) and "_hf_hook" not in linear.__dict__
 
     @staticmethod
     def fits(linears: list[nn.Module]) -> bool:
@@ -151,6 +151,8 @@ class FusedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., in_features] -> [..., sum of out_features]: the layers' outputs side by side
+        if DeltaLinear.few_rows:
+            return few_rows_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -231,18 +233,18 @@ class DeltaAttention(nn.Module):
         self.allow_neg_eigval = config.linear_allow_neg_eigval
         hidden = config.hidden_size
 
-        self.q_proj = nn.Linear(hidden, self.key_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(hidden, self.state_key_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(hidden, self.state_value_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.value_dim, hidden, bias=config.attention_out_bias)
-        self.b_proj = nn.Linear(hidden, self.num_state_heads, bias=True)
+        self.q_proj = DeltaLinear(hidden, self.key_dim, bias=config.attention_bias)
+        self.k_proj = DeltaLinear(hidden, self.state_key_dim, bias=config.attention_bias)
+        self.v_proj = DeltaLinear(hidden, self.state_value_dim, bias=config.attention_bias)
+        self.o_proj = DeltaLinear(self.value_dim, hidden, bias=config.attention_out_bias)
+        self.b_proj = DeltaLinear(hidden, self.num_state_heads, bias=True)
 
         if self.gate == "scalar":
-            self.a_proj = nn.Linear(hidden, self.num_state_heads, bias=False)
+            self.a_proj = DeltaLinear(hidden, self.num_state_heads, bias=False)
             self.dt_bias = nn.Parameter(torch.zeros(self.num_state_heads))
         elif self.gate == "channel":
-            self.a_proj = nn.Linear(hidden, config.linear_gate_low_rank_dim, bias=False)
-            self.a_up_proj = nn.Linear(config.linear_gate_low_rank_dim, self.state_key_dim, bias=False)
+            self.a_proj = DeltaLinear(hidden, config.linear_gate_low_rank_dim, bias=False)
+            self.a_up_proj = DeltaLinear(config.linear_gate_low_rank_dim, self.state_key_dim, bias=False)
             self.dt_bias = nn.Parameter(torch.zeros(self.state_key_dim))
         if self.gate != "none":
             self.A_log = nn.Parameter(torch.zeros(self.num_state_heads))
@@ -259,7 +261,7 @@ class DeltaAttention(nn.Module):
             self.k_norm = DeltaRMSNorm(self.key_head_dim, eps=config.rms_norm_eps)
         self.o_norm = DeltaHeadRMSNorm(self.num_heads, self.value_head_dim, eps=config.rms_norm_eps)
         if config.linear_output_gate:
-            self.g_proj = nn.Linear(hidden, self.value_dim, bias=True)
+            self.g_proj = DeltaLinear(hidden, self.value_dim, bias=True)
             self.gate_act = ACT2FN[config.linear_output_gate_activation]
 
         # the projections of the layer's input, in the order `FusedLinear` concatenates them, and their widths
@@ -632,10 +634,10 @@ class DeltaSoftmaxAttention(nn.Module):
         self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
 
         hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
-        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=config.attention_out_bias)
+        self.q_proj = DeltaLinear(hidden, heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = DeltaLinear(hidden, kv_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = DeltaLinear(hidden, kv_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = DeltaLinear(heads * self.head_dim, hidden, bias=config.attention_out_bias)
         if config.use_qk_norm:
             self.q_norm = DeltaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = DeltaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -680,6 +682,22 @@ class DeltaSoftmaxAttention(nn.Module):
         return self.o_proj(attn_output), attn_weights
 
 
+class DeltaMLP(nn.Module):
+    """The gated MLP of Llama (`LlamaMLP`: same parameter names and maths), on `DeltaLinear`s."""
+
+    def __init__(self, config: DeltaConfig):
+        super().__init__()
+        self.config = config
+        self.hidden_size, self.intermediate_size = config.hidden_size, config.intermediate_size
+        self.gate_proj = DeltaLinear(self.hidden_size, self.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = DeltaLinear(self.hidden_size, self.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = DeltaLinear(self.intermediate_size, self.hidden_size, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
 class DeltaDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: DeltaConfig, layer_idx: int):
         super().__init__()
@@ -688,7 +706,7 @@ class DeltaDecoderLayer(GradientCheckpointingLayer):
             self.self_attn = DeltaAttention(config, layer_idx)
         else:
             self.self_attn = DeltaSoftmaxAttention(config, layer_idx)
-        self.mlp = LlamaMLP(config)
+        self.mlp = DeltaMLP(config)
         self.input_layernorm = DeltaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DeltaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -867,7 +885,7 @@ class DeltaForCausalLM(DeltaPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = DeltaModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = DeltaLinear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from conftest import HYBRID_LAYERS, prefill_then_decode, tiny_delta_model
 from delta_attention import DeltaForCausalLM
+from delta_attention.modeling.few_rows_linear import DeltaLinear
 from delta_attention.modeling.modeling_delta import DeltaAttention, FusedLinear
 from isolated import load_isolated
 
@@ -192,7 +193,7 @@ def test_fused_weights_are_never_used_with_gradients_or_peft_and_follow_a_lora_m
         adapted = peft_model(IDS).logits
     assert fused_count(model) == 0  # and wrapped projections are not fused
     merged = peft_model.merge_and_unload()
-    assert all(type(m.q_proj) is torch.nn.Linear for m in merged.modules() if isinstance(m, DeltaAttention))
+    assert all(type(m.q_proj) is DeltaLinear for m in merged.modules() if isinstance(m, DeltaAttention))
     with torch.no_grad():
         assert (merged(IDS).logits - adapted).abs().max() <= FLOAT32_ATOL
     assert fused_count(merged) == len(merged.model.layers)

@@ -86,8 +86,9 @@ def test_reload_with_the_package_uses_the_registered_classes(tmp_path):
     base = AutoModel.from_pretrained(tmp_path)
     assert type(again) is delta_attention.DeltaForCausalLM and type(base) is delta_attention.DeltaModel
     input_ids = torch.tensor([[4, 5, 6, 7]])
-    with torch.no_grad():
-        assert torch.equal(again(input_ids).logits, model(input_ids).logits)
+    with torch.no_grad():  # to float32 rounding: the loaded weights sit elsewhere in memory (test_few_rows_linear.py)
+        expected = model(input_ids).logits
+        assert (again(input_ids).logits - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
 def test_without_trust_remote_code_the_error_says_what_to_do(tmp_path):

@@ -1,0 +1,60 @@
+"""Linear layers on a few rows at CPU inference: a decode step, a speculative verification (docs/design.md,
+"Few-row matmuls").
+
+`F.linear` on 2-4 rows in float32 goes to MKL's sgemm as x @ W^T, which on the 2-core AVX2 machine this was
+measured on costs 1.6-2x the one-row product (a gemv) for SmolLM2's weights, although both read each weight
+from memory once and that read is the cost. The same product taken as W @ x^T (the weight the left operand, x^T
+strided) with an even number of rows reads the weights at full speed: 2 or 4 rows cost 0.7-0.8x what one row
+costs through `F.linear` (1.15x for the MLP's down projection, still half its x @ W^T time), and one row padded to
+two 0.8x (1.1x for the down projection). So `few_rows_linear` computes up to `FEW_ROWS` rows that way, an odd
+count padded with a zero row: a forward of 4 tokens through a SmolLM2-sized hybrid took 108 ms against 172, and
+one token 78 against 85, so a verification of three drafted tokens costs little more than a decode step.
+
+Only float32 on a CPU with MKL, without autograd and outside `torch.compile`; everything else, and
+`DeltaLinear.few_rows = False`, takes `F.linear` (the reference: the two agree to float32 rounding, since only
+the order of the sums differs; tests/test_few_rows_linear.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# the most rows (tokens of a batch, all rows together) taken as W @ x^T; above it x @ W^T was as fast or faster
+FEW_ROWS = 4
+
+
+def takes_few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `few_rows_linear` computes x [..., in] @ weight [out, in]^T as weight @ x^T."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and weight.device.type == "cpu" and weight.dim() == 2 and x.numel() <= FEW_ROWS * x.shape[-1]
+            and x.numel() > 0 and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and torch.backends.mkl.is_available())
+
+
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, taken as weight @ x^T (an odd row count padded with a zero row) where
+    `takes_few_rows` says so. x [..., in], weight [out, in], bias [out] -> [..., out]."""
+    if not takes_few_rows(x, weight):
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])  # [R, in]
+    count = rows.shape[0]
+    if count % 2:
+        rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+    output = (weight @ rows.t()).t()[:count]  # [out, R] -> [R, out]
+    if bias is not None:
+        output = output + bias
+    return output.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class DeltaLinear(nn.Linear):
+    """`nn.Linear` (same parameters, names and maths) whose forward takes `few_rows_linear`; `few_rows = False`
+    (on the class or a layer) keeps `F.linear` everywhere."""
+
+    few_rows = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.few_rows:
+            return few_rows_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,113 @@
+"""`few_rows_linear` (weight @ x^T for a few rows at CPU float32 inference) against `F.linear`, the reference.
+
+Tolerance: within 1e-5 of `F.linear` relative to the output's largest entry (the same sums in another order; MKL's
+order also depends on the weight's memory alignment, so a model loaded from disk agrees with its fresh copy to
+this tolerance, not bit for bit). Everywhere the path does not apply the result is `F.linear`'s, bit for bit."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+from conftest import HYBRID_LAYERS, prefill_then_decode, tiny_delta_config, tiny_delta_model
+from delta_attention.modeling import few_rows_linear as few_rows
+from delta_attention.modeling.few_rows_linear import FEW_ROWS, DeltaLinear, few_rows_linear, takes_few_rows
+from delta_attention.modeling.modeling_delta import DeltaMLP
+
+RELATIVE_TOLERANCE = 1e-5
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    return (actual - expected).abs().max() <= RELATIVE_TOLERANCE * expected.abs().max()
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 48), (1, 2, 48), (1, 3, 48), (2, 2, 48), (4, 48), (3, 1, 48)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_few_rows_equal_f_linear(shape, bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 80, bias=bias)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        assert takes_few_rows(x, linear.weight)
+        output = few_rows_linear(x, linear.weight, linear.bias)
+        assert output.shape == (*shape[:-1], 80)
+        assert close(output, F.linear(x, linear.weight, linear.bias))
+
+
+def test_non_contiguous_rows():
+    torch.manual_seed(0)
+    weight, x = torch.randn(80, 48), torch.randn(1, 48, 3).transpose(1, 2)  # [1, 3, 48] with strides of a transpose
+    with torch.no_grad():
+        assert close(few_rows_linear(x, weight), F.linear(x, weight))
+
+
+@pytest.mark.parametrize("case", ["too many rows", "autograd", "bfloat16", "no rows"])
+def test_elsewhere_it_is_f_linear_bit_for_bit(case):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(80, 48), torch.randn(80)
+    x = torch.randn(1, FEW_ROWS + 1 if case == "too many rows" else 0 if case == "no rows" else 2, 48)
+    if case == "bfloat16":
+        weight, bias, x = weight.bfloat16(), bias.bfloat16(), x.bfloat16()
+    with torch.set_grad_enabled(case == "autograd"):
+        assert not takes_few_rows(x, weight)
+        assert torch.equal(few_rows_linear(x, weight, bias), F.linear(x, weight, bias))
+
+
+def test_gradients_flow_through_a_delta_linear_as_through_nn_linear():
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(48, 80)
+    ours = DeltaLinear(48, 80)
+    ours.load_state_dict(plain.state_dict())
+    x = torch.randn(1, 2, 48)
+    plain(x).square().sum().backward()
+    ours(x).square().sum().backward()
+    assert torch.equal(ours.weight.grad, plain.weight.grad) and torch.equal(ours.bias.grad, plain.bias.grad)
+
+
+def test_the_switch_keeps_f_linear(monkeypatch):
+    torch.manual_seed(0)
+    layer = DeltaLinear(48, 80)
+    x = torch.randn(1, 1, 48)
+    monkeypatch.setattr(DeltaLinear, "few_rows", False)
+    with torch.no_grad():
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_delta_mlp_is_llama_mlp():
+    config = tiny_delta_config()
+    torch.manual_seed(0)
+    ours, llama = DeltaMLP(config), LlamaMLP(config)
+    assert ours.state_dict().keys() == llama.state_dict().keys()
+    ours.load_state_dict(llama.state_dict())
+    x = torch.randn(2, 5, config.hidden_size)  # 10 rows: F.linear on both sides
+    with torch.no_grad():
+        assert torch.equal(ours(x), llama(x))
+
+
+@pytest.fixture
+def few_row_calls(monkeypatch):
+    """Counts the products `DeltaLinear` takes as weight @ x^T (a path that silently never ran would pass)."""
+    calls = []
+    original = few_rows.few_rows_linear
+
+    def counted(x, weight, bias=None):
+        calls.append(takes_few_rows(x, weight))
+        return original(x, weight, bias)
+
+    monkeypatch.setattr(few_rows, "few_rows_linear", counted)
+    return calls
+
+
+def test_a_hybrid_decode_step_takes_every_product_few_rows_and_matches_f_linear(few_row_calls, monkeypatch):
+    model = tiny_delta_model(num_hidden_layers=4, layer_types=HYBRID_LAYERS, sliding_window=6)
+    linears = sum(isinstance(m, DeltaLinear) for m in model.modules())
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())  # every product of the model, LM head too
+    ids = torch.randint(3, 97, (1, 12))
+    with torch.no_grad():
+        full, stepped, _ = prefill_then_decode(model, ids, prefill=9)
+        monkeypatch.setattr(DeltaLinear, "few_rows", False)
+        _, reference, _ = prefill_then_decode(model, ids, prefill=9)
+    # the full forward (12 rows) and the prefill (9), then three decode steps: every linear of the model once each
+    assert len(few_row_calls) == 5 * linears
+    assert not any(few_row_calls[: 2 * linears]) and all(few_row_calls[2 * linears :])
+    assert close(stepped, reference) and close(stepped, full)
