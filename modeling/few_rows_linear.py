@@ -1,14 +1,15 @@
-"""Linear layers on a few rows at CPU inference: a decode step, a speculative verification (docs/design.md,
-"Few-row matmuls").
+"""Linear layers on a few rows at CPU inference: a speculative verification, a small batch's decode step
+(docs/design.md, "Few-row matmuls").
 
 `F.linear` on 2-4 rows in float32 goes to MKL's sgemm as x @ W^T, which on the 2-core AVX2 machine this was
 measured on costs 1.6-2x the one-row product (a gemv) for SmolLM2's weights, although both read each weight
 from memory once and that read is the cost. The same product taken as W @ x^T (the weight the left operand, x^T
 strided) with an even number of rows reads the weights at full speed: 2 or 4 rows cost 0.7-0.8x what one row
-costs through `F.linear` (1.15x for the MLP's down projection, still half its x @ W^T time), and one row padded to
-two 0.8x (1.1x for the down projection). So `few_rows_linear` computes up to `FEW_ROWS` rows that way, an odd
-count padded with a zero row: a forward of 4 tokens through a SmolLM2-sized hybrid took 108 ms against 172, and
-one token 78 against 85, so a verification of three drafted tokens costs little more than a decode step.
+costs through `F.linear` (1.15x for the MLP's down projection, still half its x @ W^T time). So `few_rows_linear`
+computes 2 to `FEW_ROWS` rows that way, 3 padded with a zero row to 4: a forward of 4 tokens through a
+SmolLM2-sized hybrid took 108 ms against 172 (one token: 85), so a verification of three drafted tokens costs
+little more than a decode step. One row stays a gemv: padded to two it measured 0.95x for SmolLM2 but
+1.6-2.4x for weights that fit in the cache.
 
 Only float32 on a CPU with MKL, without autograd and outside `torch.compile`; everything else, and
 `DeltaLinear.few_rows = False`, takes `F.linear` (the reference: the two agree to float32 rounding, since only
@@ -21,21 +22,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# the most rows (tokens of a batch, all rows together) taken as W @ x^T; above it x @ W^T was as fast or faster
+# the rows (tokens of a batch, all rows together) taken as W @ x^T; above 4, x @ W^T was as fast or faster for
+# most of SmolLM2's weights, and one row is a gemv
 FEW_ROWS = 4
 
 
 def takes_few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `few_rows_linear` computes x [..., in] @ weight [out, in]^T as weight @ x^T."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and weight.device.type == "cpu" and weight.dim() == 2 and x.numel() <= FEW_ROWS * x.shape[-1]
-            and x.numel() > 0 and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and torch.backends.mkl.is_available())
+            and weight.device.type == "cpu" and weight.dim() == 2
+            and 2 * x.shape[-1] <= x.numel() <= FEW_ROWS * x.shape[-1] and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and torch.backends.mkl.is_available())
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, taken as weight @ x^T (an odd row count padded with a zero row) where
-    `takes_few_rows` says so. x [..., in], weight [out, in], bias [out] -> [..., out]."""
+    """`F.linear(x, weight, bias)`, taken as weight @ x^T (3 rows padded with a zero row) where `takes_few_rows`
+    says so. x [..., in], weight [out, in], bias [out] -> [..., out]."""
     if not takes_few_rows(x, weight):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])  # [R, in]

@@ -21,7 +21,7 @@ def close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
     return (actual - expected).abs().max() <= RELATIVE_TOLERANCE * expected.abs().max()
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 48), (1, 2, 48), (1, 3, 48), (2, 2, 48), (4, 48), (3, 1, 48)])
+@pytest.mark.parametrize("shape", [(1, 2, 48), (1, 3, 48), (2, 2, 48), (4, 48), (3, 1, 48), (2, 1, 48)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_few_rows_equal_f_linear(shape, bias):
     torch.manual_seed(0)
@@ -41,11 +41,12 @@ def test_non_contiguous_rows():
         assert close(few_rows_linear(x, weight), F.linear(x, weight))
 
 
-@pytest.mark.parametrize("case", ["too many rows", "autograd", "bfloat16", "no rows"])
+@pytest.mark.parametrize("case", ["one row", "too many rows", "autograd", "bfloat16", "no rows"])
 def test_elsewhere_it_is_f_linear_bit_for_bit(case):
     torch.manual_seed(0)
     weight, bias = torch.randn(80, 48), torch.randn(80)
-    x = torch.randn(1, FEW_ROWS + 1 if case == "too many rows" else 0 if case == "no rows" else 2, 48)
+    rows = {"one row": 1, "too many rows": FEW_ROWS + 1, "no rows": 0}.get(case, 2)
+    x = torch.randn(1, rows, 48)
     if case == "bfloat16":
         weight, bias, x = weight.bfloat16(), bias.bfloat16(), x.bfloat16()
     with torch.set_grad_enabled(case == "autograd"):
@@ -98,16 +99,33 @@ def few_row_calls(monkeypatch):
     return calls
 
 
-def test_a_hybrid_decode_step_takes_every_product_few_rows_and_matches_f_linear(few_row_calls, monkeypatch):
+def test_a_hybrid_verification_and_a_two_row_decode_take_every_product_few_rows(few_row_calls, monkeypatch):
     model = tiny_delta_model(num_hidden_layers=4, layer_types=HYBRID_LAYERS, sliding_window=6)
     linears = sum(isinstance(m, DeltaLinear) for m in model.modules())
     assert not any(type(m) is torch.nn.Linear for m in model.modules())  # every product of the model, LM head too
-    ids = torch.randint(3, 97, (1, 12))
+    ids = torch.randint(3, 97, (2, 12))
     with torch.no_grad():
-        full, stepped, _ = prefill_then_decode(model, ids, prefill=9)
+        full, stepped, _ = prefill_then_decode(model, ids, prefill=9)  # decode steps of two rows (the batch)
+        cache = model(ids[:1, :9]).cache
+        cache.activate_past_recording()
+        verified = model(ids[:1, 9:], cache=cache).logits  # a verification of three tokens
         monkeypatch.setattr(DeltaLinear, "few_rows", False)
         _, reference, _ = prefill_then_decode(model, ids, prefill=9)
-    # the full forward (12 rows) and the prefill (9), then three decode steps: every linear of the model once each
-    assert len(few_row_calls) == 5 * linears
-    assert not any(few_row_calls[: 2 * linears]) and all(few_row_calls[2 * linears :])
-    assert close(stepped, reference) and close(stepped, full)
+    # the full forward (24 rows) and the prefill (18), three decode steps, the verification's prefill (9) and
+    # block: every linear of the model once each
+    assert len(few_row_calls) == 7 * linears
+    taken = [few_row_calls[i * linears : (i + 1) * linears] for i in range(7)]
+    assert [all(t) for t in taken] == [False, False, True, True, True, False, True]
+    assert not any(taken[0] + taken[1] + taken[5])
+    assert close(stepped, reference) and close(stepped, full) and close(verified, full[:1, 9:])
+
+
+def test_one_token_decode_is_f_linear_bit_for_bit(few_row_calls, monkeypatch):
+    model = tiny_delta_model(num_hidden_layers=4, layer_types=HYBRID_LAYERS, sliding_window=6)
+    ids = torch.randint(3, 97, (1, 12))
+    with torch.no_grad():
+        _, stepped, _ = prefill_then_decode(model, ids, prefill=9)
+        monkeypatch.setattr(DeltaLinear, "few_rows", False)
+        _, reference, _ = prefill_then_decode(model, ids, prefill=9)
+    assert few_row_calls and not any(few_row_calls)
+    assert torch.equal(stepped, reference)
