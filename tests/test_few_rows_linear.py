@@ -68,9 +68,10 @@ def test_gradients_flow_through_a_delta_linear_as_through_nn_linear():
 def test_the_switch_keeps_f_linear(monkeypatch):
     torch.manual_seed(0)
     layer = DeltaLinear(48, 80)
-    x = torch.randn(1, 1, 48)
+    x = torch.randn(1, 2, 48)  # rows the path would take
     monkeypatch.setattr(DeltaLinear, "few_rows", False)
     with torch.no_grad():
+        assert takes_few_rows(x, layer.weight)
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
