@@ -11,7 +11,8 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 from conftest import HYBRID_LAYERS, prefill_then_decode, tiny_delta_config, tiny_delta_model
 from delta_attention.modeling import few_rows_linear as few_rows
-from delta_attention.modeling.few_rows_linear import FEW_ROWS, DeltaLinear, few_rows_linear, takes_few_rows
+from delta_attention.modeling.few_rows_linear import (FEW_ROWS, LARGE_ROWS, LARGE_WEIGHT_BYTES, DeltaLinear,
+                                                      few_rows_linear, takes_few_rows)
 from delta_attention.modeling.modeling_delta import DeltaMLP
 
 RELATIVE_TOLERANCE = 1e-5
@@ -52,6 +53,26 @@ def test_elsewhere_it_is_f_linear_bit_for_bit(case):
     with torch.set_grad_enabled(case == "autograd"):
         assert not takes_few_rows(x, weight)
         assert torch.equal(few_rows_linear(x, weight, bias), F.linear(x, weight, bias))
+
+
+@pytest.mark.parametrize("rows", [2, 5, 11, LARGE_ROWS])
+def test_a_large_weight_takes_up_to_16_rows(rows):
+    torch.manual_seed(0)
+    weight = torch.randn(LARGE_WEIGHT_BYTES // 4 // 256, 256)  # exactly LARGE_WEIGHT_BYTES of float32
+    x = torch.randn(1, rows, 256)
+    with torch.no_grad():
+        assert takes_few_rows(x, weight)
+        assert takes_few_rows(x, weight[1:]) == (rows <= FEW_ROWS)  # one output less: not large
+        assert close(few_rows_linear(x, weight), F.linear(x, weight))
+
+
+@pytest.mark.parametrize("rows", [1, LARGE_ROWS + 1])
+def test_a_large_weight_outside_its_rows_is_f_linear_bit_for_bit(rows):
+    torch.manual_seed(0)
+    weight, x = torch.randn(LARGE_WEIGHT_BYTES // 4 // 256, 256), torch.randn(rows, 256)
+    with torch.no_grad():
+        assert not takes_few_rows(x, weight)
+        assert torch.equal(few_rows_linear(x, weight), F.linear(x, weight))
 
 
 def test_gradients_flow_through_a_delta_linear_as_through_nn_linear():
@@ -130,3 +151,21 @@ def test_one_token_decode_is_f_linear_bit_for_bit(few_row_calls, monkeypatch):
         _, reference, _ = prefill_then_decode(model, ids, prefill=9)
     assert few_row_calls and not any(few_row_calls)
     assert torch.equal(stepped, reference)
+
+
+def test_a_long_verification_takes_the_path_for_the_large_lm_head_only(few_row_calls, monkeypatch):
+    model = tiny_delta_model(num_hidden_layers=4, layer_types=HYBRID_LAYERS, sliding_window=6)
+    head = model.lm_head.weight
+    monkeypatch.setattr(few_rows, "LARGE_WEIGHT_BYTES", head.numel() * head.element_size())  # the head is large
+    assert all(m.weight.numel() < head.numel() for m in model.modules() if isinstance(m, DeltaLinear) and m
+               is not model.lm_head)
+    ids = torch.randint(3, 97, (1, 20))
+    with torch.no_grad():
+        cache = model(ids[:, :9]).cache
+        cache.activate_past_recording()
+        few_row_calls.clear()
+        verified = model(ids[:, 9:], cache=cache).logits  # 11 rows: a verification of 10 drafted tokens
+        assert few_row_calls[-1] and not any(few_row_calls[:-1])  # the LM head runs last
+        monkeypatch.setattr(DeltaLinear, "few_rows", False)
+        reference = model(ids).logits[:, 9:]
+    assert close(verified, reference)
