@@ -56,6 +56,13 @@ def test_speculative_benchmark_runs_end_to_end(tmp_path):
         for (task, method), row in rows.items():
             assert "error" not in row, f"{name} {task} {method}: {row.get('error')}"
             assert row["prompts"] == 2 and row["new_tokens"] == 20 and row["tokens_per_second"] > 0
+            # after the first step: greedy's first step brings one token per prompt, a drafting method's one or more
+            assert row["decode_tokens"] == 18 if method == "greedy" else 0 <= row["decode_tokens"] <= 18
+            assert 0 < row["decode_seconds"] < row["seconds"]
+            if row["decode_tokens"]:
+                assert row["decode_tokens_per_second"] == pytest.approx(row["decode_tokens"] / row["decode_seconds"])
+                assert row["decode_speedup"] == pytest.approx(row["decode_tokens_per_second"] / rows[(
+                    task, "greedy")]["decode_tokens_per_second"])
             if method != "greedy":  # token for token the greedy output, from real drafts
                 assert row["identical"] == 2, f"{name} {task} {method}"
                 assert 0 <= row["accepted"] <= row["drafted"] and row["steps"] >= 1
@@ -70,8 +77,8 @@ def test_speculative_benchmark_runs_end_to_end(tmp_path):
     written = json.loads((tmp_path / "speculative.json").read_text())
     assert written["models"].keys() == results.keys()
     table = (tmp_path / "speculative.md").read_text()
-    header = ("| model | task | method | tokens/s | vs greedy | acceptance | tokens per step | identical to greedy "
-              "| copied |")
+    header = ("| model | task | method | tokens/s | vs greedy | after the first step: tokens/s | vs greedy | acceptance "
+              "| tokens per step | identical to greedy | copied |")
     assert header in table
     for name, result in results.items():
         for row in result["generation"]:
