@@ -47,6 +47,8 @@ VARIANTS = {
     "lora-all-linear": {"lora_target_modules": "all-linear"},
     "stage1-mixer": {"stage1_params": "mixer"},
     "temperature-2": {"temperature": 2.0},
+    "stage2-ce-1": {"ce_weight": 1.0},
+    "data-quote-mix": {"dataset": "{dataset}@0.7+quote:{dataset}@0.3"},
     "data-generated-mix": {"dataset": "{dataset}@0.5+generated:{generated}@0.5"},
     "data-generated-only": {"dataset": "generated:{generated}"},
     "layers-uniform": {"keep_attention": "{keep_attention}"},
