@@ -8,14 +8,17 @@ strided) with an even number of rows reads the weights at full speed: 2 or 4 row
 costs through `F.linear` (1.15x for the MLP's down projection, still half its x @ W^T time). So `few_rows_linear`
 computes 2 to `FEW_ROWS` rows that way, 3 padded with a zero row to 4: a forward of 4 tokens through a
 SmolLM2-sized hybrid took 108 ms against 172 (one token: 85), so a verification of three drafted tokens costs
-little more than a decode step. One row stays a gemv: padded to two it measured 0.95x for SmolLM2 but
-1.6-2.4x for weights that fit in the cache.
+little more than a decode step. One row stays a gemv (but see below): padded to two it measured 0.95x for the
+whole SmolLM2 model but 1.6-2.4x for weights that fit in the cache.
 
 A large weight (`LARGE_WEIGHT_BYTES`, 32 MiB and up: an LM head over a vocabulary, the MLP of a billion-parameter
 model) is read from memory whatever the rows, and there W @ x^T stays about half the x @ W^T time up to
 `LARGE_ROWS` (16) rows: SmolLM2's 49,152 x 576 LM head on 11 rows (a verification of 10 drafted tokens) took
 31.6 ms against 62.3, a 14,336 x 4,096 projection 65.4 against 127.8. So large weights take the path for 2 to 16
-rows (odd counts padded with a zero row), the others for 2 to 4.
+rows (odd counts padded with a zero row), the others for 2 to 4. A large weight with short rows (at most
+`SHORT_ROW`, 2,048 inputs) takes it for one row as well, padded to two: there MKL's one-row gemv is slow too
+(SmolLM2's head 17.6 ms against 12.8 as W @ x^T, Qwen2's 151,936 x 896 head 65.5 against 46.8, while a 14,336 x
+4,096 projection's gemv beat W @ x^T, 19.1 against 22.3), so a one-token decode step reads its LM head faster.
 
 Only float32 on a CPU with MKL, without autograd and outside `torch.compile`; everything else, and
 `DeltaLinear.few_rows = False`, takes `F.linear` (the reference: the two agree to float32 rounding, since only
@@ -31,23 +34,28 @@ from torch import nn
 # the rows (tokens of a batch, all rows together) taken as W @ x^T; above 4, x @ W^T was as fast or faster for
 # most of SmolLM2's weights, and one row is a gemv
 FEW_ROWS = 4
-# weights of at least this many bytes (far larger than a CPU's caches) take the path for up to LARGE_ROWS rows
+# weights of at least this many bytes (far larger than a CPU's caches) take the path for up to LARGE_ROWS rows,
+# and for one row too when their rows are short (at most SHORT_ROW inputs: an LM head over a vocabulary)
 LARGE_WEIGHT_BYTES = 32 * 2**20
 LARGE_ROWS = 16
+SHORT_ROW = 2048
 
 
-def most_rows(weight: torch.Tensor) -> int:
-    """The most rows `few_rows_linear` takes as weight @ x^T for `weight`: `LARGE_ROWS` for a large one, else
-    `FEW_ROWS`."""
-    return LARGE_ROWS if weight.numel() * weight.element_size() >= LARGE_WEIGHT_BYTES else FEW_ROWS
+def row_range(weight: torch.Tensor) -> tuple[int, int]:
+    """The fewest and the most rows `few_rows_linear` takes as weight @ x^T for `weight` [out, in]."""
+    if weight.numel() * weight.element_size() < LARGE_WEIGHT_BYTES:
+        return 2, FEW_ROWS
+    return (1 if weight.shape[-1] <= SHORT_ROW else 2), LARGE_ROWS
 
 
 def takes_few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `few_rows_linear` computes x [..., in] @ weight [out, in]^T as weight @ x^T."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and weight.device.type == "cpu" and weight.dim() == 2
-            and 2 * x.shape[-1] <= x.numel() <= most_rows(weight) * x.shape[-1] and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling() and torch.backends.mkl.is_available())
+    if not (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and weight.device.type == "cpu" and weight.dim() == 2 and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and torch.backends.mkl.is_available()):
+        return False
+    fewest, most = row_range(weight)
+    return fewest * x.shape[-1] <= x.numel() <= most * x.shape[-1]
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -11,8 +11,8 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 from conftest import HYBRID_LAYERS, prefill_then_decode, tiny_delta_config, tiny_delta_model
 from delta_attention.modeling import few_rows_linear as few_rows
-from delta_attention.modeling.few_rows_linear import (FEW_ROWS, LARGE_ROWS, LARGE_WEIGHT_BYTES, DeltaLinear,
-                                                      few_rows_linear, takes_few_rows)
+from delta_attention.modeling.few_rows_linear import (FEW_ROWS, LARGE_ROWS, LARGE_WEIGHT_BYTES, SHORT_ROW,
+                                                      DeltaLinear, few_rows_linear, takes_few_rows)
 from delta_attention.modeling.modeling_delta import DeltaMLP
 
 RELATIVE_TOLERANCE = 1e-5
@@ -55,21 +55,36 @@ def test_elsewhere_it_is_f_linear_bit_for_bit(case):
         assert torch.equal(few_rows_linear(x, weight, bias), F.linear(x, weight, bias))
 
 
-@pytest.mark.parametrize("rows", [2, 5, 11, LARGE_ROWS])
-def test_a_large_weight_takes_up_to_16_rows(rows):
+def large_weight(inputs: int) -> torch.Tensor:
+    """A float32 weight of exactly `LARGE_WEIGHT_BYTES` with `inputs` per row."""
+    return torch.randn(LARGE_WEIGHT_BYTES // 4 // inputs, inputs)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 11, LARGE_ROWS])
+def test_a_large_weight_with_short_rows_takes_1_to_16_rows(rows):
     torch.manual_seed(0)
-    weight = torch.randn(LARGE_WEIGHT_BYTES // 4 // 256, 256)  # exactly LARGE_WEIGHT_BYTES of float32
-    x = torch.randn(1, rows, 256)
+    weight = large_weight(SHORT_ROW // 8)
+    x = torch.randn(1, rows, weight.shape[1])
     with torch.no_grad():
         assert takes_few_rows(x, weight)
-        assert takes_few_rows(x, weight[1:]) == (rows <= FEW_ROWS)  # one output less: not large
+        assert takes_few_rows(x, weight[1:]) == (2 <= rows <= FEW_ROWS)  # one output less: not large
         assert close(few_rows_linear(x, weight), F.linear(x, weight))
 
 
-@pytest.mark.parametrize("rows", [1, LARGE_ROWS + 1])
-def test_a_large_weight_outside_its_rows_is_f_linear_bit_for_bit(rows):
+def test_a_large_weight_with_long_rows_takes_2_to_16_rows():
     torch.manual_seed(0)
-    weight, x = torch.randn(LARGE_WEIGHT_BYTES // 4 // 256, 256), torch.randn(rows, 256)
+    weight = large_weight(2 * SHORT_ROW)
+    with torch.no_grad():
+        assert not takes_few_rows(torch.randn(1, weight.shape[1]), weight)  # one row: its gemv won
+        x = torch.randn(2, weight.shape[1])
+        assert takes_few_rows(x, weight) and close(few_rows_linear(x, weight), F.linear(x, weight))
+
+
+@pytest.mark.parametrize("inputs", [SHORT_ROW // 8, 2 * SHORT_ROW])
+def test_a_large_weight_is_f_linear_bit_for_bit_beyond_16_rows(inputs):
+    torch.manual_seed(0)
+    weight = large_weight(inputs)
+    x = torch.randn(LARGE_ROWS + 1, inputs)
     with torch.no_grad():
         assert not takes_few_rows(x, weight)
         assert torch.equal(few_rows_linear(x, weight), F.linear(x, weight))
@@ -153,7 +168,7 @@ def test_one_token_decode_is_f_linear_bit_for_bit(few_row_calls, monkeypatch):
     assert torch.equal(stepped, reference)
 
 
-def test_a_long_verification_takes_the_path_for_the_large_lm_head_only(few_row_calls, monkeypatch):
+def test_a_long_verification_and_a_decode_step_take_the_path_for_a_large_lm_head_only(few_row_calls, monkeypatch):
     model = tiny_delta_model(num_hidden_layers=4, layer_types=HYBRID_LAYERS, sliding_window=6)
     head = model.lm_head.weight
     monkeypatch.setattr(few_rows, "LARGE_WEIGHT_BYTES", head.numel() * head.element_size())  # the head is large
@@ -166,6 +181,10 @@ def test_a_long_verification_takes_the_path_for_the_large_lm_head_only(few_row_c
         few_row_calls.clear()
         verified = model(ids[:, 9:], cache=cache).logits  # 11 rows: a verification of 10 drafted tokens
         assert few_row_calls[-1] and not any(few_row_calls[:-1])  # the LM head runs last
+        few_row_calls.clear()
+        cache = model(ids[:, :19]).cache
+        stepped = model(ids[:, 19:], cache=cache).logits  # one token: the head (short rows) too
+        assert few_row_calls[-1] and not any(few_row_calls[:-1])
         monkeypatch.setattr(DeltaLinear, "few_rows", False)
-        reference = model(ids).logits[:, 9:]
-    assert close(verified, reference)
+        reference = model(ids).logits
+    assert close(verified, reference[:, 9:]) and close(stepped, reference[:, 19:])
