@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # the rows (tokens of a batch, all rows together) taken as W @ x^T; above 4, x @ W^T was as fast or faster for
-# most of SmolLM2's weights, and one row is a gemv
+# most of SmolLM2's weights, and one row is a gemv (large weights: below)
 FEW_ROWS = 4
 # weights of at least this many bytes (far larger than a CPU's caches) take the path for up to LARGE_ROWS rows,
 # and for one row too when their rows are short (at most SHORT_ROW inputs: an LM head over a vocabulary)
