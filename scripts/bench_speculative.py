@@ -280,11 +280,10 @@ def measure_generation(model, draft, prompts: dict[str, list[torch.Tensor]], opt
             row = _row(task, method, runs[method], None if method == "greedy" else reference)
             if method == "greedy":
                 row["copied"] = sum(copied) / len(copied)
-            row["speedup"] = row["tokens_per_second"] / rows_greedy(rows, task)["tokens_per_second"] if (
-                method != "greedy") else 1.0
-            greedy_decode = row if method == "greedy" else rows_greedy(rows, task)
-            row["decode_speedup"] = (row["decode_tokens_per_second"] / greedy_decode["decode_tokens_per_second"]
-                                     if row["decode_tokens_per_second"] and greedy_decode["decode_tokens_per_second"]
+            greedy = row if method == "greedy" else rows_greedy(rows, task)
+            row["speedup"] = row["tokens_per_second"] / greedy["tokens_per_second"]
+            row["decode_speedup"] = (row["decode_tokens_per_second"] / greedy["decode_tokens_per_second"]
+                                     if row["decode_tokens_per_second"] and greedy["decode_tokens_per_second"]
                                      else None)
             rows.append(row)
             log(f"  {task:12s} {method:14s} {row['tokens_per_second']:7.1f} tokens/s ({row['speedup']:.2f}x)"
