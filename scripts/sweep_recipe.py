@@ -6,8 +6,9 @@ variant of the grid (`VARIANTS`, `--variants` picks some) is distilled in the sa
 `--stage1_tokens`/`--stage2_tokens` for exactly comparable runs. A variant is a dict of overrides of the baseline,
 the current defaults: `distill` options (learning rates, stage-1 parameters, KL temperature), LoRA options (rank,
 targets), the training text (`dataset`; `{dataset}` and `{generated}` are filled in from the options), the layer
-plan (`keep_attention`; `{keep_attention}` likewise) and `stage1_share`, the share of the budget spent in stage 1
-(with fixed token budgets: of their sum).
+plan (`keep_attention`; `{keep_attention}` likewise), `stage1_share`, the share of the budget spent in stage 1
+(with fixed token budgets: of their sum), and `seed` (data order and LoRA init: `baseline-seed-1` measures the
+spread between two runs of one recipe, the margin a winner must beat).
 
 Every variant is scored at the end of stage 2 by its cross-domain perplexity (`--crossdomain_dataset`, corpora held
 out of training whole), its teacher-forced top-1 agreement with the teacher on that text, and its in-domain
@@ -52,11 +53,12 @@ VARIANTS = {
     "data-generated-mix": {"dataset": "{dataset}@0.5+generated:{generated}@0.5"},
     "data-generated-only": {"dataset": "generated:{generated}"},
     "layers-uniform": {"keep_attention": "{keep_attention}"},
+    "baseline-seed-1": {"seed": 1},  # the baseline on another data order and LoRA init: the noise between runs
 }
 #: the baseline's layer plan (convert's default form): the share `--keep_attention` chosen by `auto:`
 BASELINE_PLAN = "auto:{keep_attention}"
 #: override keys that are neither `distill` nor LoRA options
-RUN_KEYS = ("stage1_share", "dataset", "keep_attention")
+RUN_KEYS = ("stage1_share", "dataset", "keep_attention", "seed")
 #: `distill` options the sweep sets the same for every variant (the budget, the folders, the evaluation texts)
 FIXED_KEYS = ("student", "teacher", "output_dir", "overwrite", "stage1_tokens", "stage2_tokens", "eval_tokens",
               "eval_dataset", "crossdomain_dataset")
@@ -187,7 +189,7 @@ def _data(options: SweepRecipeOptions, overrides: dict):
     from delta_attention.conversion.data.text import DataOptions
 
     return DataOptions(dataset=overrides.get("dataset", options.dataset), seq_len=options.seq_len,
-                       packing=options.packing)
+                       packing=options.packing, seed=overrides.get("seed", 0))
 
 
 def _budget(options: SweepRecipeOptions, overrides: dict) -> BenchDistillOptions:

@@ -1,5 +1,6 @@
 """`sweep-recipe` end to end on a tiny teacher: every variant scored, the winner by the rule, reruns reuse results."""
 
+import dataclasses
 import json
 import math
 
@@ -131,3 +132,23 @@ def test_a_variant_may_not_change_what_every_variant_shares(tmp_path, monkeypatc
     for name, key in (("longer", "stage2_tokens"), ("typo", "temprature")):
         with pytest.raises(ValueError, match=rf"variant {name}: \['{key}'\] cannot be overridden"):
             sweep.check_options(SweepRecipeOptions(output_dir=str(tmp_path / "o"), variants=name))
+
+
+def test_seed_variant_changes_only_the_seed_of_the_data_order(inputs, tmp_path, monkeypatch):
+    """`baseline-seed-1` is the baseline on another seed (data order and LoRA init): the spread between runs."""
+    options = tiny_sweep(inputs, tmp_path / "sweep", variants="baseline,baseline-seed-1")
+    assert sweep.check_options(options) == ["baseline", "baseline-seed-1"]
+    calls = {}
+
+    def recorded(folder, converted, teacher, data, training, budget, lora, **distill):
+        calls[folder.name] = (data, distill)
+        raise StopIteration  # recorded; nothing trains
+
+    monkeypatch.setattr(sweep, "distill_in_budget", recorded)
+    for name in ("baseline", "baseline-seed-1"):
+        with pytest.raises(StopIteration):
+            sweep.run_variant(tmp_path / name, tmp_path / "converted", "teacher", options, name)
+    (base_data, base_distill), (seed_data, seed_distill) = calls["baseline"], calls["baseline-seed-1"]
+    assert (base_data.seed, seed_data.seed) == (0, 1)
+    assert dataclasses.replace(seed_data, seed=0) == base_data
+    assert "seed" not in seed_distill and seed_distill == base_distill
