@@ -144,18 +144,20 @@ def probe_speed(folder: Path, converted: Path, teacher: str, data, training, sta
     return read_metrics(probe / f"stage{stage}" / "metrics.jsonl")[-1]["tokens_per_s"]
 
 
-def distill_in_budget(folder: Path, converted: Path, teacher: str, data, training, options: BenchDistillOptions,
-                      lora=None, **distill_options) -> dict:
-    """Distill `converted` from `teacher` within `options.minutes_per_model` (or the given token budgets).
+def stage_budgets(folder: Path, converted: Path, teacher: str, data, training, options: BenchDistillOptions,
+                  lora=None, resume: bool = False) -> dict:
+    """Stages 1 and 2's token budgets (`{"stage1_tokens", "stage2_tokens", "speeds"}`), kept in `folder/budget.json`.
 
-    A few probe steps of each stage give its tokens/s, which turn the time budget into token budgets (no probes
-    when both token budgets are given); the run writes under `folder/run` and evaluates on the held-out text along
-    the way (`lora`, a `LoraOptions`, goes to the probes and the run; `distill_options`, further `DistillOptions`
-    fields, to the run). Returns `run_distill`'s results with the wall time, the probed speeds (empty without probes) and
-    the held-out perplexity curve against tokens seen."""
-    from delta_attention.conversion.training.distill import DistillOptions, run_distill
-    from delta_attention.conversion.training.metrics import read_metrics
+    A few probe steps of each stage give its tokens/s, which turn the time budget into token budgets (no probes when
+    both token budgets are given). With `resume`, a budget saved by an interrupted run is reused unprobed, so the
+    continued run trains to the same token counts it started with."""
+    from delta_attention.conversion.saving import write_text_atomically
 
+    saved = folder / "budget.json"
+    if resume and saved.is_file():
+        budget = json.loads(saved.read_text())
+        budget["speeds"] = {int(stage): speed for stage, speed in budget["speeds"].items()}
+        return budget
     step_tokens = options.batch_size * options.seq_len
     speeds = {}
     for stage in () if options.stage1_tokens and options.stage2_tokens else (1, 2):
@@ -164,19 +166,40 @@ def distill_in_budget(folder: Path, converted: Path, teacher: str, data, trainin
                                     (options.probe_steps + 1) * step_tokens, lora)
         elapsed = time.perf_counter() - started
         print(f"{folder.name} stage {stage}: {speeds[stage]:.0f} tokens/s (probe {elapsed:.0f} s)")
-    budget = options.minutes_per_model * 60
-    stage1_tokens = options.stage1_tokens or int(speeds[1] * budget * options.stage1_share)
-    stage2_tokens = options.stage2_tokens or int(speeds[2] * budget * (1 - options.stage1_share))
-    stage1_tokens = max(step_tokens, stage1_tokens // step_tokens * step_tokens)
-    stage2_tokens = max(step_tokens, stage2_tokens // step_tokens * step_tokens)
+    seconds = options.minutes_per_model * 60
+    stage1_tokens = options.stage1_tokens or int(speeds[1] * seconds * options.stage1_share)
+    stage2_tokens = options.stage2_tokens or int(speeds[2] * seconds * (1 - options.stage1_share))
+    budget = {"stage1_tokens": max(step_tokens, stage1_tokens // step_tokens * step_tokens),
+              "stage2_tokens": max(step_tokens, stage2_tokens // step_tokens * step_tokens), "speeds": speeds}
+    write_text_atomically(saved, json.dumps(budget, indent=1))
+    return budget
+
+
+def distill_in_budget(folder: Path, converted: Path, teacher: str, data, training, options: BenchDistillOptions,
+                      lora=None, resume: bool = False, **distill_options) -> dict:
+    """Distill `converted` from `teacher` within `options.minutes_per_model` (or the given token budgets).
+
+    The token budgets come from `stage_budgets`; the run writes under `folder/run` and evaluates on the held-out text
+    along the way (`lora`, a `LoraOptions`, goes to the probes and the run; `distill_options`, further
+    `DistillOptions` fields, to the run). With `resume`, an interrupted run in `folder/run` continues from its last
+    checkpoints (`training.checkpoint_every_tokens`) on its saved budget; without it the run starts afresh.
+    Returns `run_distill`'s results with the wall time (of this call), the probed speeds (empty without probes) and
+    the held-out perplexity curve against tokens seen."""
+    from delta_attention.conversion.training.distill import DistillOptions, run_distill
+    from delta_attention.conversion.training.metrics import read_metrics
+
+    budget = stage_budgets(folder, converted, teacher, data, training, options, lora, resume)
+    continuing = resume and (folder / "run").is_dir()
     started = time.perf_counter()
     distill = DistillOptions(student=str(converted), teacher=teacher, output_dir=str(folder / "run"),
-                             overwrite=True, stage1_tokens=stage1_tokens, stage2_tokens=stage2_tokens,
-                             eval_tokens=options.eval_tokens, **distill_options)
-    run_training_options = dataclasses.replace(training, num_evaluations=options.evaluations)  # per stage
+                             overwrite=not continuing, stage1_tokens=budget["stage1_tokens"],
+                             stage2_tokens=budget["stage2_tokens"], eval_tokens=options.eval_tokens, **distill_options)
+    run_training_options = dataclasses.replace(training, num_evaluations=options.evaluations,  # per stage
+                                               resume=continuing)
     results = run_distill(distill, data, run_training_options, lora)
     results["wall_seconds"] = time.perf_counter() - started
-    results["probe_tokens_per_s"] = speeds
+    results["resumed"] = continuing
+    results["probe_tokens_per_s"] = budget["speeds"]
     curve = [{"stage": 0, "tokens": 0, "heldout_ppl": results["converted_ppl"]}]
     offset = 0
     for stage in (1, 2):

@@ -15,6 +15,13 @@ Writes `results.json`, `results.md` and `long_context.png` under `--output_dir`.
 CPU cores (four 1-hour distillations; the teacher's 64k-token passes grow quadratically); `--minutes_per_model`,
 `--long_max_tokens`, `--passkey_lengths` and `--decode_contexts` scale it down.
 
+`--resume` continues a benchmark in `--output_dir` over as many sittings as it takes: the teacher's measurements
+(`teacher.json`) and each finished variant (`NAME/result.json`) are reused while their settings are unchanged; a
+variant whose measurement settings changed is measured again on its distilled model; an interrupted variant
+continues from its last training checkpoint (every `--checkpoint_every_tokens`) on the token budget it started
+with. A variant whose training settings changed starts afresh. `--overwrite` replaces a finished benchmark folder
+once the new one is complete.
+
     python -m delta_attention.scripts.bench_long_context --minutes_per_model 60
 """
 
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -61,11 +69,37 @@ class BenchLongContextOptions(BenchDistillOptions):
     decode_new_tokens: int = dataclasses.field(default=8, metadata={"help": "decode steps timed per context"})
     teacher_max_context: int = dataclasses.field(
         default=65_536, metadata={"help": "skip the teacher's passkey/decode points beyond this many tokens"})
+    teacher: str | None = dataclasses.field(default=None, metadata={
+        "help": "the model to convert and distill from (folder or .gguf); default: the offline SmolLM2-135M-Instruct"})
+    eval_dataset: str = dataclasses.field(default="builtin:heldout", metadata={
+        "help": "held-out text: the perplexity at --seq_len and the long document (its texts joined)"})
+    crossdomain_dataset: str = dataclasses.field(default="builtin:crossdomain", metadata={
+        "help": "text of other domains (never trained on): cross-domain perplexity"})
+    checkpoint_every_tokens: int = dataclasses.field(default=16_384, metadata={
+        "help": "training checkpoint interval of each distillation: what --resume continues from"})
+    agreement: bool = dataclasses.field(default=True, metadata={
+        "help": "measure each model's agreement with the teacher after stage 2, as distill does (--no_agreement: "
+                "skip it)"})
+    resume: bool = dataclasses.field(default=False, metadata={
+        "help": "continue the benchmark in --output_dir: finished parts are reused, an interrupted variant continues"})
+    overwrite: bool = dataclasses.field(default=False, metadata={
+        "help": "replace an existing --output_dir (a benchmark folder) once the new benchmark is done"})
+
+#: options that decide a variant's distilled model (with its conversion settings): a change retrains it
+TRAINING_KEYS = ("teacher", "dataset", "eval_dataset", "crossdomain_dataset", "minutes_per_model", "stage1_share",
+                 "stage1_tokens", "stage2_tokens", "seq_len", "batch_size", "evaluations", "eval_tokens",
+                 "probe_steps", "packing", "mixed_precision", "stage3_share", "stage3_tokens", "stage3_seq_len",
+                 "agreement")
+#: options that decide the long-context measurements: a change measures again
+MEASURE_KEYS = ("eval_dataset", "long_max_tokens", "long_buckets", "long_piece", "long_reset_window", "passkey_lengths",
+                "passkey_depths", "decode_contexts", "decode_new_tokens")
 
 
 def check_options(options: BenchLongContextOptions) -> list[str]:
     """The variants to run; one `ValueError` naming the flag for anything that cannot work (before any loading)."""
     from delta_attention.conversion.evaluation.long_context import check_long_context_options
+    from delta_attention.conversion.loading import check_model_spec
+    from delta_attention.conversion.output_folder import check_output_folder
     from delta_attention.conversion.precision import check_cpu_mixed_precision
 
     check_cpu_mixed_precision(options.mixed_precision)
@@ -91,25 +125,39 @@ def check_options(options: BenchLongContextOptions) -> list[str]:
             values = []
         if not values or min(values) < 1:
             raise ValueError(f"--{name} {getattr(options, name)!r} must be positive token counts, such as 1024,4096")
+    if options.checkpoint_every_tokens < 0:
+        raise ValueError(f"--checkpoint_every_tokens must be >= 0 (0 = only at the end of each stage), "
+                         f"got {options.checkpoint_every_tokens}")
+    if options.teacher:
+        check_model_spec(options.teacher, "teacher")
+    check_output_folder(options.output_dir, overwrite=options.overwrite, resume=options.resume,
+                        inputs=(options.teacher,))
     return variants
 
 
-def stage3_budget(folder: Path, converted: Path, teacher: str, data, training,
-                  options: BenchLongContextOptions) -> tuple[dict, BenchLongContextOptions, float | None]:
+def stage3_budget(folder: Path, converted: Path, teacher: str, data, training, options: BenchLongContextOptions,
+                  resume: bool = False) -> tuple[dict, BenchLongContextOptions, float | None]:
     """Stage 3's `distill` options, the options stages 1 and 2 then run under, and stage 3's probed tokens/s.
 
     `--stage3_share` probes stage 3 on the converted model (a few blocks of `--stage3_seq_len`), gives it that share
     of the time budget and leaves stages 1 and 2 the rest; `--stage3_tokens` is a fixed budget beside the time
-    budget; neither: no stage 3."""
+    budget; neither: no stage 3. A probed budget is kept in `folder/stage3_budget.json`, which `resume` reuses."""
     if not options.stage3_share and not options.stage3_tokens:
         return {}, options, None
+    from delta_attention.conversion.saving import write_text_atomically
+
     tokens, speed, seq_len = options.stage3_tokens, None, options.stage3_seq_len
-    if not tokens:
+    saved = folder / "stage3_budget.json"
+    if not tokens and resume and saved.is_file():
+        tokens, speed = (json.loads(saved.read_text())[key] for key in ("stage3_tokens", "speed"))
+        options = dataclasses.replace(options, minutes_per_model=options.minutes_per_model * (1 - options.stage3_share))
+    elif not tokens:
         speed = probe_speed(folder, converted, teacher, data, training, 3, (options.probe_steps + 1) * seq_len,
                             stage3_seq_len=seq_len)
         print(f"{folder.name} stage 3: {speed:.0f} tokens/s")
         tokens = max(seq_len, int(speed * options.minutes_per_model * 60 * options.stage3_share) // seq_len * seq_len)
         options = dataclasses.replace(options, minutes_per_model=options.minutes_per_model * (1 - options.stage3_share))
+        write_text_atomically(saved, json.dumps({"stage3_tokens": tokens, "speed": speed}))
     return {"stages": "1,2,3", "stage3_tokens": tokens, "stage3_seq_len": seq_len}, options, speed
 
 
@@ -131,57 +179,123 @@ def measure(model, tokenizer, texts: list[str], options: BenchLongContextOptions
     }
 
 
+def _settings(options: BenchLongContextOptions, keys: tuple[str, ...], **extra) -> dict:
+    return {key: getattr(options, key) for key in keys} | extra
+
+
+def _read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def conversion_settings(options: BenchLongContextOptions, name: str) -> dict:
+    """Variant `name`'s `ConversionSettings` fields, the attention window filled in from the options."""
+    settings = dict(VARIANTS[name])
+    if "attention_window" in settings:
+        settings["attention_window"] = options.attention_window
+    return settings
+
+
 def run(options: BenchLongContextOptions) -> int:
     from delta_attention.conversion.converter.pipeline import ConversionSettings, convert
     from delta_attention.conversion.converter.sources import load_source
     from delta_attention.conversion.data.assets import smollm2_gguf_path
     from delta_attention.conversion.data.text import DataOptions, evaluation_texts, training_blocks
     from delta_attention.conversion.training.loop import TrainingOptions
-    from delta_attention.conversion.loading import load_model
+    from delta_attention.conversion.output_folder import open_run_folder
     from delta_attention.conversion.precision import resolve_mixed_precision
+    from delta_attention.conversion.saving import write_text_atomically
 
     variants = check_options(options)
     options.mixed_precision = resolve_mixed_precision(options.mixed_precision, "cpu")  # what the report records
-    out = Path(options.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    gguf = str(smollm2_gguf_path())
-    source = load_source(gguf, dtype=torch.float32)
-    data = DataOptions(dataset="builtin:train", seq_len=options.seq_len, packing=options.packing)
-    texts = [text for group in evaluation_texts("builtin:heldout") for text in group]
-    blocks = training_blocks(data, source.tokenizer)
-    blocks = blocks["input_ids"] if isinstance(blocks, dict) else blocks
-    for p in source.model.parameters():
-        p.requires_grad_(True)
-    bf16 = options.mixed_precision == "bf16"
+    teacher = options.teacher or str(smollm2_gguf_path())
+    options.teacher = teacher  # what the settings record (a resumed run must use the same teacher)
+    folder = open_run_folder(Path(options.output_dir), "bench-long-context", overwrite=options.overwrite,
+                             resume=options.resume)
+    out = folder.work
+    source = load_source(teacher, dtype=torch.float32)
+    data = DataOptions(dataset=options.dataset, seq_len=options.seq_len, packing=options.packing)
+    texts = [text for group in evaluation_texts(options.eval_dataset) for text in group]
     report = {"threads": torch.get_num_threads(), "minutes_per_model": options.minutes_per_model,
               "attention_window": options.attention_window, "stage3_tokens": options.stage3_tokens,
-              "stage3_share": options.stage3_share, "stage3_seq_len": options.stage3_seq_len,
-              "teacher_finetune_tokens_per_s": teacher_finetune_speed(source.model, blocks, options.probe_steps, bf16),
-              "models": {}}
-    with torch.no_grad():
-        report["teacher"] = measure(source.model.eval(), source.tokenizer, texts, options, options.teacher_max_context)
-    training = TrainingOptions(batch_size=options.batch_size, mixed_precision=options.mixed_precision)
+              "stage3_share": options.stage3_share, "stage3_seq_len": options.stage3_seq_len, "models": {}}
+
+    teacher_settings = _settings(options, MEASURE_KEYS + ("teacher", "dataset", "teacher_max_context", "probe_steps",
+                                                          "mixed_precision"))
+    measured = _read_json(out / "teacher.json")
+    if measured is None or measured["settings"] != teacher_settings:
+        blocks = training_blocks(data, source.tokenizer)
+        blocks = blocks["input_ids"] if isinstance(blocks, dict) else blocks  # the speed probe needs ids only
+        for p in source.model.parameters():
+            p.requires_grad_(True)
+        speed = teacher_finetune_speed(source.model, blocks, options.probe_steps, options.mixed_precision == "bf16")
+        with torch.no_grad():
+            measured = {"settings": teacher_settings, "teacher_finetune_tokens_per_s": speed,
+                        "measured": measure(source.model.eval(), source.tokenizer, texts, options,
+                                            options.teacher_max_context)}
+        write_text_atomically(out / "teacher.json", json.dumps(measured, indent=1, default=str))
+    else:
+        print("teacher: measurements reused from teacher.json")
+    report["teacher_finetune_tokens_per_s"] = measured["teacher_finetune_tokens_per_s"]
+    report["teacher"] = measured["measured"]
+    training = TrainingOptions(batch_size=options.batch_size, mixed_precision=options.mixed_precision,
+                               checkpoint_every_tokens=options.checkpoint_every_tokens)
 
     for name in variants:
-        settings = dict(VARIANTS[name])
-        if "attention_window" in settings:
-            settings["attention_window"] = options.attention_window
-        converted = out / name / "converted"
-        if not converted.is_dir():
-            convert(source, out=converted, settings=ConversionSettings(dtype="float32", **settings))
-        extra, budget_options, stage3_speed = stage3_budget(out / name, converted, gguf, data, training, options)
-        results = distill_in_budget(out / name, converted, gguf, data, training, budget_options, **extra)
-        results["stage3_probe_tokens_per_s"] = stage3_speed
-        model, tokenizer = load_model(str(out / name / "run" / "model"))
-        with torch.no_grad():
-            results["long_context"] = measure(model.float().eval(), tokenizer, texts, options)
+        place = out / name
+        training_settings = _settings(options, TRAINING_KEYS, conversion=conversion_settings(options, name))
+        measure_settings = _settings(options, MEASURE_KEYS)
+        done = _read_json(place / "result.json")
+        if done is not None and done["training_settings"] == training_settings:
+            results = done["results"]
+            if done["measure_settings"] == measure_settings:
+                print(f"{name}: reused from {name}/result.json")
+            else:
+                print(f"{name}: its measurement settings changed; measuring its distilled model again")
+                results["long_context"] = measure_variant(place, texts, options)
+        else:
+            started = _read_json(place / "settings.json")  # the first file a variant writes in its folder
+            if place.exists() and started is None:
+                raise FileExistsError(f"{place} holds no settings.json, so this benchmark did not write it; nothing "
+                                      "was changed. Move it away, or give another --output_dir")
+            if place.exists() and started != training_settings:
+                print(f"{name}: its training settings changed since it ran; starting it afresh")
+                shutil.rmtree(place)
+            resume = place.exists()
+            if resume:
+                print(f"{name}: continuing the interrupted distillation")
+            write_text_atomically(place / "settings.json", json.dumps(training_settings, indent=1, default=str))
+            converted = place / "converted"
+            if not converted.is_dir():
+                convert(source, out=converted,
+                        settings=ConversionSettings(dtype="float32", **conversion_settings(options, name)))
+            extra, budget_options, stage3_speed = stage3_budget(place, converted, teacher, data, training, options,
+                                                                resume)
+            results = distill_in_budget(place, converted, teacher, data, training, budget_options, resume=resume,
+                                        eval_dataset=options.eval_dataset,
+                                        crossdomain_dataset=options.crossdomain_dataset, agreement=options.agreement,
+                                        **extra)
+            results["stage3_probe_tokens_per_s"] = stage3_speed
+            results["long_context"] = measure_variant(place, texts, options)
+        write_text_atomically(place / "result.json", json.dumps(
+            {"training_settings": training_settings, "measure_settings": measure_settings, "results": results},
+            indent=1, default=str))
         report["models"][name] = results
-        (out / "results.json").write_text(json.dumps(report, indent=1, default=str))
+        write_text_atomically(out / "results.json", json.dumps(report, indent=1, default=str))
 
-    (out / "results.md").write_text(markdown(report))
+    write_text_atomically(out / "results.md", markdown(report))
     plot(report, out / "long_context.png")
+    folder.finish()
     print(markdown(report))
     return 0
+
+
+def measure_variant(place: Path, texts: list[str], options: BenchLongContextOptions) -> dict:
+    """`measure` of the distilled model in `place/run/model` (float32, no grad)."""
+    from delta_attention.conversion.loading import load_model
+
+    model, tokenizer = load_model(str(place / "run" / "model"))
+    with torch.no_grad():
+        return measure(model.float().eval(), tokenizer, texts, options)
 
 
 def _ppl(value) -> str:

@@ -81,14 +81,14 @@ def test_whole_over_reset_table_when_the_reset_reading_ran():
     ("stage3_share", -0.1, "--stage3_share must be at least 0 and below 1"),
     ("stage3_seq_len", 1, "--stage3_seq_len must be at least 2"),
 ])
-def test_bad_options_fail_before_any_work(field, value, message):
-    options = BenchLongContextOptions(**{field: value})
+def test_bad_options_fail_before_any_work(field, value, message, tmp_path):
+    options = BenchLongContextOptions(output_dir=str(tmp_path / "bench"), **{field: value})
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         check_options(options)
 
 
-def test_default_options_run_all_four_variants():
-    assert check_options(BenchLongContextOptions()) == ["hybrid", "hybrid-sliding", "all-delta", "all-delta-gqa"]
+def test_default_options_run_all_four_variants(tmp_path):
+    assert check_options(BenchLongContextOptions(output_dir=str(tmp_path / "bench"))) == ["hybrid", "hybrid-sliding", "all-delta", "all-delta-gqa"]
 
 
 def test_synthesized_cache_fits_a_model_with_gqa_shared_state():
@@ -156,3 +156,123 @@ def test_probe_speed_runs_the_stage_alone_and_returns_the_loops_last_speed(folde
     assert records[-1]["tokens"] == tokens and speed == records[-1]["tokens_per_s"] > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"probe{stage}"]
     assert not any((tmp_path / f"probe{stage}" / f"stage{other}").exists() for other in {1, 2, 3} - {stage})
+
+
+def tiny_bench(folders, out, **overrides) -> BenchLongContextOptions:
+    """The benchmark at toy sizes on the tiny teacher: all-delta only, two steps per stage."""
+    (folders / "cross.txt").write_text(" ".join(f"w{(i * 13) % 90}" for i in range(1500)))
+    fields = dict(output_dir=str(out), teacher=str(folders / "teacher"), dataset=str(folders / "train.txt"),
+                  eval_dataset=str(folders / "eval.txt"), crossdomain_dataset=str(folders / "cross.txt"),
+                  variants="all-delta", stage1_tokens=256, stage2_tokens=768, seq_len=32, batch_size=4,
+                  evaluations=1, eval_tokens=64, probe_steps=1, mixed_precision="no", checkpoint_every_tokens=256,
+                  long_max_tokens=256, long_buckets="0,64,256", long_piece=64, long_reset_window=64,
+                  passkey_lengths="96", passkey_depths="0.5", decode_contexts="32", decode_new_tokens=2,
+                  teacher_max_context=256, agreement=False)
+    fields.update(overrides)
+    return BenchLongContextOptions(**fields)
+
+
+def test_resume_reuses_finished_parts_and_continues_an_interrupted_variant(folders, tmp_path, monkeypatch):
+    """A benchmark spread over sittings: each finished part is reused, a killed distillation continues from its
+    last checkpoint to the weights of a run that was never stopped, changed settings redo only what they decide."""
+    import json
+
+    import delta_attention.conversion.training.distill as pipeline
+    import delta_attention.scripts.bench_long_context as bench
+    from transformers import AutoModelForCausalLM
+
+    measured, trained = [], []
+    original_measure, original_training = bench.measure, pipeline.run_training
+
+    def counted_measure(model, *args, **kwargs):
+        measured.append(type(model).__name__)
+        return original_measure(model, *args, **kwargs)
+
+    def counted_training(*args, **kwargs):
+        trained.append(kwargs["description"])
+        return original_training(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "measure", counted_measure)
+    monkeypatch.setattr(pipeline, "run_training", counted_training)
+    straight = tmp_path / "straight"
+    assert bench.run(tiny_bench(folders, straight)) == 0
+    assert measured == ["LlamaForCausalLM", "DeltaForCausalLM"] and len(trained) == 2
+    report = json.loads((straight / "results.json").read_text())
+    assert report["models"]["all-delta"]["stage2"]["tokens"] == 768
+    assert (straight / "results.md").is_file() and (straight / "all-delta" / "result.json").is_file()
+
+    # an existing benchmark folder is neither reused nor replaced without being asked
+    with pytest.raises(FileExistsError, match="pass --resume to continue that run or --overwrite"):
+        check_options(tiny_bench(folders, straight))
+    # resumed with nothing changed: nothing trains or measures again
+    measured.clear(), trained.clear()
+    assert bench.run(tiny_bench(folders, straight, resume=True)) == 0
+    assert measured == [] and trained == []
+    # new measurement settings: both measured again on the same distilled model, nothing trains
+    assert bench.run(tiny_bench(folders, straight, resume=True, decode_new_tokens=3)) == 0
+    assert measured == ["LlamaForCausalLM", "DeltaForCausalLM"] and trained == []
+    assert json.loads((straight / "results.json").read_text())["models"]["all-delta"]["stage2"] == \
+        report["models"]["all-delta"]["stage2"]
+
+    # killed in stage 2 after its step-4 checkpoint, then resumed: the weights of the run never stopped
+    class Killed(Exception):
+        pass
+
+    def killed_at_step_5_of_stage_2(*args, **kwargs):
+        if "stage 2" in kwargs["description"]:
+            def stop(step):
+                if step == 5:
+                    raise Killed
+            kwargs["step_callback"] = stop
+        return original_training(*args, **kwargs)
+
+    killed = tmp_path / "killed"
+    monkeypatch.setattr(pipeline, "run_training", killed_at_step_5_of_stage_2)
+    with pytest.raises(Killed):
+        bench.run(tiny_bench(folders, killed))
+    assert (killed / "all-delta" / "run" / "stage2" / "checkpoints").is_dir()
+    assert not (killed / "all-delta" / "result.json").exists()
+    monkeypatch.setattr(pipeline, "run_training", counted_training)
+    measured.clear(), trained.clear()
+    assert bench.run(tiny_bench(folders, killed, resume=True)) == 0
+    assert measured == ["DeltaForCausalLM"]  # the teacher's measurements were finished before the kill
+    results = json.loads((killed / "all-delta" / "result.json").read_text())["results"]
+    assert results["resumed"] is True and results["stage2"]["tokens"] == 768
+    a = AutoModelForCausalLM.from_pretrained(straight / "all-delta" / "run" / "model").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(killed / "all-delta" / "run" / "model").state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert (a[name] - b[name]).abs().max() <= 1e-5, name
+
+    # new training settings: the variant starts afresh (its old folder, written by the benchmark, is replaced)
+    trained.clear()
+    assert bench.run(tiny_bench(folders, killed, resume=True, stage2_tokens=512)) == 0
+    assert trained == ["stage 1 (attention transfer)", "stage 2 (logit distillation)"]
+    assert json.loads((killed / "results.json").read_text())["models"]["all-delta"]["stage2"]["tokens"] == 512
+
+
+def test_a_variant_folder_the_benchmark_did_not_write_is_left_alone(folders, tmp_path):
+    import delta_attention.scripts.bench_long_context as bench
+
+    out = tmp_path / "bench"
+    out.mkdir()
+    (out / "delta_attention_run.json").write_text("{}")
+    (out / "all-delta").mkdir()
+    (out / "all-delta" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="holds no settings.json, so this benchmark did not write it"):
+        bench.run(tiny_bench(folders, out, resume=True))
+    assert (out / "all-delta" / "notes.txt").read_text() == "mine"
+
+
+def test_a_probed_budget_is_reused_by_resume_without_probing_again(tmp_path, monkeypatch):
+    import delta_attention.scripts.bench_distill as bench_distill
+
+    speeds = {1: 10.0, 2: 5.0}
+    monkeypatch.setattr(bench_distill, "probe_speed", lambda folder, converted, teacher, data, training, stage, tokens,
+                        lora=None: speeds[stage])
+    options = bench_distill.BenchDistillOptions(minutes_per_model=1.0, stage1_share=0.5, seq_len=8, batch_size=2)
+    budget = bench_distill.stage_budgets(tmp_path, None, None, None, None, options)
+    assert (budget["stage1_tokens"], budget["stage2_tokens"]) == (288, 144)  # 10 and 5 tokens/s for 30 s each, whole steps of 16 tokens
+    speeds.update({1: 1000.0, 2: 1000.0})  # a resumed sitting on a faster machine keeps the budget it started with
+    assert bench_distill.stage_budgets(tmp_path, None, None, None, None, options, resume=True) == budget
+    assert bench_distill.stage_budgets(tmp_path, None, None, None, None, options)["stage1_tokens"] == 30000
