@@ -16,7 +16,8 @@ held-out perplexity. The winner (`choose_winner`) has the lowest cross-domain pe
 variants within `--tie_margin` of it count as tied, and the one of those that agrees most often with the teacher
 wins. Writes `results.json`, `results.md` and `sweep.png` under `--output_dir`, and prints the winning overrides as
 flags. A finished variant keeps its result in `variants/NAME/result.json` and is reused by a rerun with `--resume`
-(when its settings are unchanged); a variant interrupted mid-way is rerun from scratch.
+(when its settings are unchanged); a variant interrupted mid-way continues from its last training checkpoint (every
+`--checkpoint_every_tokens`) when its settings are unchanged, and starts afresh otherwise.
 
     python -m delta_attention.scripts.sweep_recipe --minutes_per_variant 10
 """
@@ -100,8 +101,10 @@ class SweepRecipeOptions:
         "help": "auto (bf16 autocast where the CPU has bf16 matmul units, else float32), bf16 or no (float32)"})
     tie_margin: float = dataclasses.field(default=0.01, metadata={
         "help": "cross-domain ratios within this of the lowest count as tied (agreement decides)"})
+    checkpoint_every_tokens: int = dataclasses.field(default=8192, metadata={
+        "help": "training checkpoint interval of each variant: what --resume continues an interrupted one from"})
     resume: bool = dataclasses.field(default=False, metadata={
-        "help": "continue a sweep in output_dir: finished variants are reused, an interrupted one is rerun"})
+        "help": "continue a sweep in output_dir: finished variants are reused, an interrupted one continues"})
     overwrite: bool = dataclasses.field(default=False, metadata={
         "help": "replace an existing output_dir (a sweep folder) once the new sweep is done"})
 
@@ -151,6 +154,9 @@ def check_options(options: SweepRecipeOptions) -> list[str]:
     for name in ("seq_len", "batch_size", "evaluations", "eval_tokens", "probe_steps"):
         if getattr(options, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(options, name)}")
+    if options.checkpoint_every_tokens < 0:
+        raise ValueError(f"--checkpoint_every_tokens must be >= 0 (0 = only at the end of each stage), "
+                         f"got {options.checkpoint_every_tokens}")
     check_cpu_mixed_precision(options.mixed_precision)
     if not options.crossdomain_dataset.strip():
         raise ValueError("--crossdomain_dataset is empty; the sweep chooses by cross-domain perplexity (default "
@@ -263,8 +269,10 @@ def winner_flags(variant: dict) -> list[str]:
     return lines
 
 
-def run_variant(folder: Path, converted: Path, teacher: str, options: SweepRecipeOptions, name: str) -> dict:
-    """Distill one variant in the common budget under `folder`; returns its results with the scores."""
+def run_variant(folder: Path, converted: Path, teacher: str, options: SweepRecipeOptions, name: str,
+                resume: bool = False) -> dict:
+    """Distill one variant in the common budget under `folder` (`resume`: continue its interrupted run); returns its
+    results with the scores."""
     from delta_attention.conversion.training.loop import TrainingOptions
     from delta_attention.conversion.training.lora import LoraOptions
 
@@ -272,9 +280,11 @@ def run_variant(folder: Path, converted: Path, teacher: str, options: SweepRecip
     overrides = _overrides(options, name)
     distill = {k: v for k, v in overrides.items() if k not in lora_fields and k not in RUN_KEYS}
     lora = LoraOptions(**{k: v for k, v in overrides.items() if k in lora_fields})
-    training = TrainingOptions(batch_size=options.batch_size, mixed_precision=options.mixed_precision)
+    training = TrainingOptions(batch_size=options.batch_size, mixed_precision=options.mixed_precision,
+                               checkpoint_every_tokens=options.checkpoint_every_tokens)
     results = distill_in_budget(folder, converted, teacher, _data(options, overrides), training,
-                                _budget(options, overrides), lora=lora, eval_dataset=options.eval_dataset,
+                                _budget(options, overrides), lora=lora, resume=resume,
+                                eval_dataset=options.eval_dataset,
                                 crossdomain_dataset=options.crossdomain_dataset, **distill)
     return {"overrides": overrides, "scores": scores(results), "results": results}
 
@@ -315,9 +325,15 @@ def run(options: SweepRecipeOptions) -> int:
         else:
             if done is not None:
                 tqdm.write(f"{name}: its settings changed since it ran; running it again")
+            started = place / "settings.json"  # written when a variant starts: what an interrupted one ran with
+            continuing = (options.resume and done is None and started.is_file() and (place / "run").is_dir()
+                          and json.loads(started.read_text()) == json.loads(json.dumps(settings, default=str)))
+            if continuing:
+                tqdm.write(f"{name}: continuing its interrupted run")
+            write_text_atomically(started, json.dumps(settings, indent=1, default=str))
             plan = _fill(VARIANTS[name].get("keep_attention", BASELINE_PLAN), options)
-            done = {"settings": settings,
-                    **run_variant(place, out / "converted" / _plan_folder(plan), teacher, options, name)}
+            done = {"settings": settings, **run_variant(place, out / "converted" / _plan_folder(plan), teacher,
+                                                        options, name, resume=continuing)}
             write_text_atomically(saved, json.dumps(done, indent=1, default=str))
             verb = "ran"
         report["variants"][name] = {k: done[k] for k in ("overrides", "scores")}

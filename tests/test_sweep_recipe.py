@@ -38,9 +38,9 @@ def test_sweep_scores_every_variant_picks_by_the_rule_and_reuses_finished_ones(i
     runs = []
     original = sweep.run_variant
 
-    def counted(folder, converted, teacher, options, name):
+    def counted(folder, converted, teacher, options, name, resume=False):
         runs.append(name)
-        return original(folder, converted, teacher, options, name)
+        return original(folder, converted, teacher, options, name, resume)
 
     monkeypatch.setattr(sweep, "run_variant", counted)
     out = tmp_path / "sweep"
@@ -152,3 +152,45 @@ def test_seed_variant_changes_only_the_seed_of_the_data_order(inputs, tmp_path, 
     assert (base_data.seed, seed_data.seed) == (0, 1)
     assert dataclasses.replace(seed_data, seed=0) == base_data
     assert "seed" not in seed_distill and seed_distill == base_distill
+
+
+def test_a_variant_killed_mid_way_continues_from_its_checkpoint(inputs, tmp_path, monkeypatch):
+    """`--resume` continues an interrupted variant from its last checkpoint, to the weights of a run never stopped."""
+    import delta_attention.conversion.training.distill as pipeline
+    from transformers import AutoModelForCausalLM
+
+    original = pipeline.run_training
+    steps = []
+
+    class Killed(Exception):
+        pass
+
+    def training(kill: bool):
+        def run_training(*args, **kwargs):
+            if "stage 2" in kwargs["description"]:
+                def step(n):
+                    steps.append(n)
+                    if kill and n == 3:
+                        raise Killed
+                kwargs["step_callback"] = step
+            return original(*args, **kwargs)
+        return run_training
+
+    settings = dict(variants="baseline", stage2_tokens=512, checkpoint_every_tokens=256)  # 4 steps, 2 checkpoints
+    monkeypatch.setattr(pipeline, "run_training", training(kill=False))
+    assert sweep.run(tiny_sweep(inputs, tmp_path / "straight", **settings)) == 0
+    monkeypatch.setattr(pipeline, "run_training", training(kill=True))
+    with pytest.raises(Killed):
+        sweep.run(tiny_sweep(inputs, tmp_path / "killed", **settings))
+    monkeypatch.setattr(pipeline, "run_training", training(kill=False))
+    steps.clear()
+    assert sweep.run(tiny_sweep(inputs, tmp_path / "killed", resume=True, **settings)) == 0
+    assert steps == [3, 4]  # from the step-2 checkpoint on
+    saved = json.loads((tmp_path / "killed" / "variants" / "baseline" / "result.json").read_text())
+    assert saved["results"]["resumed"] is True and saved["scores"]["stage2_tokens"] == 512
+    models = [AutoModelForCausalLM.from_pretrained(tmp_path / run / "variants" / "baseline" / "run" / "model")
+              for run in ("straight", "killed")]
+    a, b = (model.state_dict() for model in models)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert (a[name] - b[name]).abs().max() <= 1e-5, name
