@@ -147,17 +147,18 @@ def stage3_budget(folder: Path, converted: Path, teacher: str, data, training, o
     from delta_attention.conversion.saving import write_text_atomically
 
     tokens, speed, seq_len = options.stage3_tokens, None, options.stage3_seq_len
-    saved = folder / "stage3_budget.json"
-    if not tokens and resume and saved.is_file():
-        tokens, speed = (json.loads(saved.read_text())[key] for key in ("stage3_tokens", "speed"))
+    if not tokens:
+        saved = folder / "stage3_budget.json"
+        if resume and saved.is_file():
+            tokens, speed = (json.loads(saved.read_text())[key] for key in ("stage3_tokens", "speed"))
+        else:
+            speed = probe_speed(folder, converted, teacher, data, training, 3, (options.probe_steps + 1) * seq_len,
+                                stage3_seq_len=seq_len)
+            print(f"{folder.name} stage 3: {speed:.0f} tokens/s")
+            tokens = max(seq_len,
+                         int(speed * options.minutes_per_model * 60 * options.stage3_share) // seq_len * seq_len)
+            write_text_atomically(saved, json.dumps({"stage3_tokens": tokens, "speed": speed}))
         options = dataclasses.replace(options, minutes_per_model=options.minutes_per_model * (1 - options.stage3_share))
-    elif not tokens:
-        speed = probe_speed(folder, converted, teacher, data, training, 3, (options.probe_steps + 1) * seq_len,
-                            stage3_seq_len=seq_len)
-        print(f"{folder.name} stage 3: {speed:.0f} tokens/s")
-        tokens = max(seq_len, int(speed * options.minutes_per_model * 60 * options.stage3_share) // seq_len * seq_len)
-        options = dataclasses.replace(options, minutes_per_model=options.minutes_per_model * (1 - options.stage3_share))
-        write_text_atomically(saved, json.dumps({"stage3_tokens": tokens, "speed": speed}))
     return {"stages": "1,2,3", "stage3_tokens": tokens, "stage3_seq_len": seq_len}, options, speed
 
 
@@ -180,7 +181,8 @@ def measure(model, tokenizer, texts: list[str], options: BenchLongContextOptions
 
 
 def _settings(options: BenchLongContextOptions, keys: tuple[str, ...], **extra) -> dict:
-    return {key: getattr(options, key) for key in keys} | extra
+    """The options `keys` (and `extra`) as they read back from JSON, so they compare equal to saved settings."""
+    return json.loads(json.dumps({key: getattr(options, key) for key in keys} | extra, default=str))
 
 
 def _read_json(path: Path) -> dict | None:

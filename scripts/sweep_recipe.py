@@ -221,8 +221,8 @@ def _settings(options: SweepRecipeOptions, name: str) -> dict:
     fields = ("teacher", "dataset", "eval_dataset", "crossdomain_dataset", "keep_attention", "init",
               "minutes_per_variant", "stage1_share", "stage1_tokens", "stage2_tokens", "seq_len", "batch_size",
               "evaluations", "eval_tokens", "packing", "mixed_precision")
-    return {"overrides": _overrides(options, name),
-            **{field: getattr(options, field) for field in fields}}
+    settings = {"overrides": _overrides(options, name), **{field: getattr(options, field) for field in fields}}
+    return json.loads(json.dumps(settings, default=str))  # as they read back from result.json and settings.json
 
 
 def scores(results: dict) -> dict:
@@ -327,7 +327,7 @@ def run(options: SweepRecipeOptions) -> int:
                 tqdm.write(f"{name}: its settings changed since it ran; running it again")
             started = place / "settings.json"  # written when a variant starts: what an interrupted one ran with
             continuing = (options.resume and done is None and started.is_file() and (place / "run").is_dir()
-                          and json.loads(started.read_text()) == json.loads(json.dumps(settings, default=str)))
+                          and json.loads(started.read_text()) == settings)
             if continuing:
                 tqdm.write(f"{name}: continuing its interrupted run")
             write_text_atomically(started, json.dumps(settings, indent=1, default=str))
