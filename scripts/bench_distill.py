@@ -3,8 +3,15 @@
 For each layout it converts the offline GGUF (calibrated init), measures the tokens/s of both stages and of
 plain full fine-tuning of the teacher (bf16 autocast) with a few probe steps, turns the time budget into
 token budgets, runs `distill` on `--dataset` (default `builtin:train`) with `--evaluations` held-out evaluations
-in each stage, and reports held-out perplexity against tokens seen, with the cross-domain perplexity (`builtin:crossdomain`) at the end of each stage beside it.
-Writes `results.json`, `results.md` and `distill.png` under `--output_dir`.
+in each stage, and reports held-out perplexity against tokens seen, with the cross-domain perplexity
+(`builtin:crossdomain`) at the end of each stage beside it. Writes `results.json`, `results.md` and `distill.png`
+under `--output_dir`.
+
+`--resume` continues a benchmark in `--output_dir`: the teacher's speed (`teacher.json`) and each finished layout
+(`LAYOUT/result.json`) are reused while their settings are unchanged, and an interrupted distillation continues
+from its last checkpoint (`--checkpoint_every_tokens`) on the token budget it started with; a layout whose settings
+changed starts afresh. An existing folder is refused without `--resume` or `--overwrite`, which swaps the new
+benchmark in once it is done.
 
     python -m delta_attention.scripts.bench_distill --minutes_per_model 60
 """
@@ -19,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from .resumable import RESULT_FILE, as_saved, kept, read_json, start_part, write_json
+
 LAYOUTS = {"hybrid": "auto:0.25", "all-delta": "0"}
 
 
@@ -30,7 +39,7 @@ class BenchDistillOptions:
     stage1_share: float = dataclasses.field(default=0.4, metadata={"help": "share of the time spent in stage 1"})
     dataset: str = dataclasses.field(default="builtin:train", metadata={
         "help": "training text, as distill's --dataset (e.g. builtin:train@0.5+generated:OUT@0.5 mixes in "
-                "generate-data's chat answers); the teacher's fine-tuning probe always reads builtin:train"})
+                "generate-data's chat answers); the teacher's fine-tuning speed probe reads it too"})
     seq_len: int = dataclasses.field(default=512, metadata={"help": "training sequence length"})
     batch_size: int = dataclasses.field(default=4, metadata={"help": "blocks per step"})
     evaluations: int = dataclasses.field(default=5, metadata={"help": "held-out evaluations per stage"})
@@ -49,6 +58,25 @@ class BenchDistillOptions:
     stage2_tokens: int = dataclasses.field(
         default=0, metadata={"help": "stage 2 token budget; 0 derives it from the time budget and the probed speed"}
     )
+    teacher: str | None = dataclasses.field(default=None, metadata={
+        "help": "the model to convert and distill from (folder or .gguf); default: the offline SmolLM2-135M-Instruct"})
+    eval_dataset: str = dataclasses.field(default="builtin:heldout", metadata={"help": "in-domain held-out text"})
+    crossdomain_dataset: str = dataclasses.field(default="builtin:crossdomain", metadata={
+        "help": "text of other domains (never trained on): cross-domain perplexity"})
+    agreement: bool = dataclasses.field(default=True, metadata={
+        "help": "measure each model's agreement with the teacher after stage 2, as distill does (--no_agreement: "
+                "skip it)"})
+    checkpoint_every_tokens: int = dataclasses.field(default=16_384, metadata={
+        "help": "training checkpoint interval of each distillation: what --resume continues from"})
+    resume: bool = dataclasses.field(default=False, metadata={
+        "help": "continue the benchmark in --output_dir: finished parts are reused, an interrupted one continues"})
+    overwrite: bool = dataclasses.field(default=False, metadata={
+        "help": "replace an existing --output_dir (a benchmark folder) once the new benchmark is done"})
+
+#: options that decide a layout's distilled model (with its layer plan): a change retrains it
+TRAINING_KEYS = ("teacher", "dataset", "eval_dataset", "crossdomain_dataset", "minutes_per_model", "stage1_share",
+                 "stage1_tokens", "stage2_tokens", "seq_len", "batch_size", "evaluations", "eval_tokens",
+                 "probe_steps", "packing", "mixed_precision", "agreement")
 
 
 def _probe(run, steps: int) -> float:
@@ -84,48 +112,102 @@ def teacher_finetune_speed(teacher, blocks: torch.Tensor, steps: int, bf16: bool
     return speed
 
 
+def teacher_speed(source, data, options: BenchDistillOptions) -> float:
+    """Tokens/s of full fine-tuning of the loaded teacher (`source`) on `data`'s blocks, the reference beside the
+    students' speeds; the teacher is left frozen in eval mode."""
+    from delta_attention.conversion.data.text import training_blocks
+
+    blocks = training_blocks(data, source.tokenizer)
+    blocks = blocks["input_ids"] if isinstance(blocks, dict) else blocks  # the speed probe needs ids only
+    for p in source.model.parameters():
+        p.requires_grad_(True)
+    return teacher_finetune_speed(source.model, blocks, options.probe_steps, options.mixed_precision == "bf16")
+
+
+def check_options(options: BenchDistillOptions) -> list[str]:
+    """The layouts to run; one `ValueError` naming the flag for anything that cannot work (before any loading)."""
+    layouts = [name.strip() for name in options.layouts.split(",") if name.strip()]
+    unknown = [name for name in layouts if name not in LAYOUTS]
+    if unknown or not layouts:
+        raise ValueError(f"--layouts {options.layouts!r}: unknown {unknown}; choose from {list(LAYOUTS)}")
+    check_run_options(options)
+    return layouts
+
+
+def check_run_options(options: BenchDistillOptions) -> None:
+    """The checks of the options every budgeted distillation benchmark shares, its output folder last (after
+    everything else, so a bad flag never leaves a folder behind)."""
+    from delta_attention.conversion.loading import check_model_spec
+    from delta_attention.conversion.output_folder import check_output_folder
+    from delta_attention.conversion.precision import check_cpu_mixed_precision
+
+    check_cpu_mixed_precision(options.mixed_precision)
+    if options.checkpoint_every_tokens < 0:
+        raise ValueError(f"--checkpoint_every_tokens must be >= 0 (0 = only at the end of each stage), "
+                         f"got {options.checkpoint_every_tokens}")
+    if options.teacher:
+        check_model_spec(options.teacher, "teacher")
+    check_output_folder(options.output_dir, overwrite=options.overwrite, resume=options.resume,
+                        inputs=(options.teacher,))
+
+
 def run(options: BenchDistillOptions) -> int:
     from delta_attention.conversion.data.assets import smollm2_gguf_path
     from delta_attention.conversion.converter.pipeline import ConversionSettings, convert
     from delta_attention.conversion.converter.sources import load_source
-    from delta_attention.conversion.data.text import DataOptions, training_blocks
-    from delta_attention.conversion.precision import check_cpu_mixed_precision, resolve_mixed_precision
+    from delta_attention.conversion.data.text import DataOptions
+    from delta_attention.conversion.output_folder import open_run_folder
+    from delta_attention.conversion.precision import resolve_mixed_precision
+    from delta_attention.conversion.saving import write_text_atomically
     from delta_attention.conversion.training.loop import TrainingOptions
 
-    check_cpu_mixed_precision(options.mixed_precision)
+    layouts = check_options(options)
     data = DataOptions(dataset=options.dataset, seq_len=options.seq_len, packing=options.packing).validate()
     options.mixed_precision = resolve_mixed_precision(options.mixed_precision, "cpu")  # what the report records
-    out = Path(options.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    gguf = str(smollm2_gguf_path())
-    source = load_source(gguf, dtype=torch.float32)
-    blocks = training_blocks(dataclasses.replace(data, dataset="builtin:train"), source.tokenizer)
-    blocks = blocks["input_ids"] if isinstance(blocks, dict) else blocks  # the teacher's speed probe needs ids only
-    for p in source.model.parameters():
-        p.requires_grad_(True)
-    bf16 = options.mixed_precision == "bf16"
+    options.teacher = options.teacher or str(smollm2_gguf_path())  # what the settings record
+    folder = open_run_folder(Path(options.output_dir), "bench-distill", overwrite=options.overwrite,
+                             resume=options.resume)
+    out = folder.work
+    source = load_source(options.teacher, dtype=torch.float32)
+
+    def measure_teacher() -> dict:
+        speed = teacher_speed(source, data, options)
+        return {"teacher_finetune_tokens_per_s": speed}
+
+    teacher = kept(out / "teacher.json", as_saved({key: getattr(options, key) for key in (
+        "teacher", "dataset", "seq_len", "packing", "probe_steps", "mixed_precision")}), measure_teacher, "teacher")
     report = {"threads": torch.get_num_threads(), "minutes_per_model": options.minutes_per_model,
               "packing": options.packing, "mixed_precision": options.mixed_precision, "dataset": options.dataset,
               "seq_len": options.seq_len, "batch_size": options.batch_size,
-              "teacher_finetune_tokens_per_s": teacher_finetune_speed(source.model, blocks, options.probe_steps, bf16),
-              "models": {}}
+              "teacher_finetune_tokens_per_s": teacher["teacher_finetune_tokens_per_s"], "models": {}}
     print(f"teacher full fine-tuning ({options.mixed_precision}): "
           f"{report['teacher_finetune_tokens_per_s']:.0f} tokens/s")
-    training = TrainingOptions(batch_size=options.batch_size, mixed_precision=options.mixed_precision)
+    training = TrainingOptions(batch_size=options.batch_size, mixed_precision=options.mixed_precision,
+                               checkpoint_every_tokens=options.checkpoint_every_tokens)
 
-    for layout in [name.strip() for name in options.layouts.split(",")]:
-        if layout not in LAYOUTS:
-            raise ValueError(f"unknown layout {layout!r}; choose from {list(LAYOUTS)}")
-        converted = out / layout / "converted"
-        if not converted.is_dir():
-            convert(source, out=converted, settings=ConversionSettings(keep_attention=LAYOUTS[layout],
-                                                                       dtype="float32"))
-        results = distill_in_budget(out / layout, converted, gguf, data, training, options)
-        report["models"][layout] = results
-        (out / "results.json").write_text(json.dumps(report, indent=1))
+    for layout in layouts:
+        place = out / layout
+        settings = as_saved({key: getattr(options, key) for key in TRAINING_KEYS} | {"layers": LAYOUTS[layout]})
+        done = read_json(place / RESULT_FILE)
+        if done is not None and done["settings"] == settings:
+            print(f"{layout}: reused from {layout}/{RESULT_FILE}")
+        else:
+            resume = start_part(place, settings)
+            converted = place / "converted"
+            if not converted.is_dir():
+                convert(source, out=converted, settings=ConversionSettings(keep_attention=LAYOUTS[layout],
+                                                                           dtype="float32"))
+            done = {"settings": settings, "results": distill_in_budget(
+                place, converted, options.teacher, data, training, options, resume=resume,
+                eval_dataset=options.eval_dataset, crossdomain_dataset=options.crossdomain_dataset,
+                agreement=options.agreement)}
+            write_json(place / RESULT_FILE, done)
+        report["models"][layout] = done["results"]
+        write_json(out / "results.json", report)
 
-    (out / "results.md").write_text(markdown(report))
+    write_text_atomically(out / "results.md", markdown(report))
     plot(report, out / "distill.png")
+    folder.finish()
     print(markdown(report))
     return 0
 

@@ -29,14 +29,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 
-from .bench_distill import BenchDistillOptions, distill_in_budget, probe_speed, save_figure, teacher_finetune_speed
+from . import bench_distill
+from .bench_distill import (BenchDistillOptions, check_run_options, distill_in_budget, probe_speed, save_figure,
+                            teacher_speed)
 from .benchmark import _ints
+from .resumable import RESULT_FILE, as_saved, kept, read_json, start_part, write_json
 
 VARIANTS = {  # name -> ConversionSettings fields (the attention window is filled in from the options)
     "hybrid": {"keep_attention": "auto:0.25"},
@@ -69,27 +71,12 @@ class BenchLongContextOptions(BenchDistillOptions):
     decode_new_tokens: int = dataclasses.field(default=8, metadata={"help": "decode steps timed per context"})
     teacher_max_context: int = dataclasses.field(
         default=65_536, metadata={"help": "skip the teacher's passkey/decode points beyond this many tokens"})
-    teacher: str | None = dataclasses.field(default=None, metadata={
-        "help": "the model to convert and distill from (folder or .gguf); default: the offline SmolLM2-135M-Instruct"})
     eval_dataset: str = dataclasses.field(default="builtin:heldout", metadata={
         "help": "held-out text: the perplexity at --seq_len and the long document (its texts joined)"})
-    crossdomain_dataset: str = dataclasses.field(default="builtin:crossdomain", metadata={
-        "help": "text of other domains (never trained on): cross-domain perplexity"})
-    checkpoint_every_tokens: int = dataclasses.field(default=16_384, metadata={
-        "help": "training checkpoint interval of each distillation: what --resume continues from"})
-    agreement: bool = dataclasses.field(default=True, metadata={
-        "help": "measure each model's agreement with the teacher after stage 2, as distill does (--no_agreement: "
-                "skip it)"})
-    resume: bool = dataclasses.field(default=False, metadata={
-        "help": "continue the benchmark in --output_dir: finished parts are reused, an interrupted variant continues"})
-    overwrite: bool = dataclasses.field(default=False, metadata={
-        "help": "replace an existing --output_dir (a benchmark folder) once the new benchmark is done"})
+
 
 #: options that decide a variant's distilled model (with its conversion settings): a change retrains it
-TRAINING_KEYS = ("teacher", "dataset", "eval_dataset", "crossdomain_dataset", "minutes_per_model", "stage1_share",
-                 "stage1_tokens", "stage2_tokens", "seq_len", "batch_size", "evaluations", "eval_tokens",
-                 "probe_steps", "packing", "mixed_precision", "stage3_share", "stage3_tokens", "stage3_seq_len",
-                 "agreement")
+TRAINING_KEYS = bench_distill.TRAINING_KEYS + ("stage3_share", "stage3_tokens", "stage3_seq_len")
 #: options that decide the long-context measurements: a change measures again
 MEASURE_KEYS = ("eval_dataset", "long_max_tokens", "long_buckets", "long_piece", "long_reset_window", "passkey_lengths",
                 "passkey_depths", "decode_contexts", "decode_new_tokens")
@@ -98,11 +85,7 @@ MEASURE_KEYS = ("eval_dataset", "long_max_tokens", "long_buckets", "long_piece",
 def check_options(options: BenchLongContextOptions) -> list[str]:
     """The variants to run; one `ValueError` naming the flag for anything that cannot work (before any loading)."""
     from delta_attention.conversion.evaluation.long_context import check_long_context_options
-    from delta_attention.conversion.loading import check_model_spec
-    from delta_attention.conversion.output_folder import check_output_folder
-    from delta_attention.conversion.precision import check_cpu_mixed_precision
 
-    check_cpu_mixed_precision(options.mixed_precision)
     variants = [name.strip() for name in options.variants.split(",") if name.strip()]
     unknown = [name for name in variants if name not in VARIANTS]
     if unknown or not variants:
@@ -125,13 +108,7 @@ def check_options(options: BenchLongContextOptions) -> list[str]:
             values = []
         if not values or min(values) < 1:
             raise ValueError(f"--{name} {getattr(options, name)!r} must be positive token counts, such as 1024,4096")
-    if options.checkpoint_every_tokens < 0:
-        raise ValueError(f"--checkpoint_every_tokens must be >= 0 (0 = only at the end of each stage), "
-                         f"got {options.checkpoint_every_tokens}")
-    if options.teacher:
-        check_model_spec(options.teacher, "teacher")
-    check_output_folder(options.output_dir, overwrite=options.overwrite, resume=options.resume,
-                        inputs=(options.teacher,))
+    check_run_options(options)
     return variants
 
 
@@ -182,11 +159,7 @@ def measure(model, tokenizer, texts: list[str], options: BenchLongContextOptions
 
 def _settings(options: BenchLongContextOptions, keys: tuple[str, ...], **extra) -> dict:
     """The options `keys` (and `extra`) as they read back from JSON, so they compare equal to saved settings."""
-    return json.loads(json.dumps({key: getattr(options, key) for key in keys} | extra, default=str))
-
-
-def _read_json(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.is_file() else None
+    return as_saved({key: getattr(options, key) for key in keys} | extra)
 
 
 def conversion_settings(options: BenchLongContextOptions, name: str) -> dict:
@@ -201,7 +174,7 @@ def run(options: BenchLongContextOptions) -> int:
     from delta_attention.conversion.converter.pipeline import ConversionSettings, convert
     from delta_attention.conversion.converter.sources import load_source
     from delta_attention.conversion.data.assets import smollm2_gguf_path
-    from delta_attention.conversion.data.text import DataOptions, evaluation_texts, training_blocks
+    from delta_attention.conversion.data.text import DataOptions, evaluation_texts
     from delta_attention.conversion.training.loop import TrainingOptions
     from delta_attention.conversion.output_folder import open_run_folder
     from delta_attention.conversion.precision import resolve_mixed_precision
@@ -221,22 +194,15 @@ def run(options: BenchLongContextOptions) -> int:
               "attention_window": options.attention_window, "stage3_tokens": options.stage3_tokens,
               "stage3_share": options.stage3_share, "stage3_seq_len": options.stage3_seq_len, "models": {}}
 
-    teacher_settings = _settings(options, MEASURE_KEYS + ("teacher", "dataset", "teacher_max_context", "probe_steps",
-                                                          "mixed_precision"))
-    measured = _read_json(out / "teacher.json")
-    if measured is None or measured["settings"] != teacher_settings:
-        blocks = training_blocks(data, source.tokenizer)
-        blocks = blocks["input_ids"] if isinstance(blocks, dict) else blocks  # the speed probe needs ids only
-        for p in source.model.parameters():
-            p.requires_grad_(True)
-        speed = teacher_finetune_speed(source.model, blocks, options.probe_steps, options.mixed_precision == "bf16")
+    def measure_teacher() -> dict:
+        speed = teacher_speed(source, data, options)
         with torch.no_grad():
-            measured = {"settings": teacher_settings, "teacher_finetune_tokens_per_s": speed,
-                        "measured": measure(source.model.eval(), source.tokenizer, texts, options,
-                                            options.teacher_max_context)}
-        write_text_atomically(out / "teacher.json", json.dumps(measured, indent=1, default=str))
-    else:
-        print("teacher: measurements reused from teacher.json")
+            return {"teacher_finetune_tokens_per_s": speed,
+                    "measured": measure(source.model.eval(), source.tokenizer, texts, options,
+                                        options.teacher_max_context)}
+
+    measured = kept(out / "teacher.json", _settings(options, MEASURE_KEYS + (
+        "teacher", "dataset", "teacher_max_context", "probe_steps", "mixed_precision")), measure_teacher, "teacher")
     report["teacher_finetune_tokens_per_s"] = measured["teacher_finetune_tokens_per_s"]
     report["teacher"] = measured["measured"]
     training = TrainingOptions(batch_size=options.batch_size, mixed_precision=options.mixed_precision,
@@ -246,26 +212,16 @@ def run(options: BenchLongContextOptions) -> int:
         place = out / name
         training_settings = _settings(options, TRAINING_KEYS, conversion=conversion_settings(options, name))
         measure_settings = _settings(options, MEASURE_KEYS)
-        done = _read_json(place / "result.json")
+        done = read_json(place / RESULT_FILE)
         if done is not None and done["training_settings"] == training_settings:
             results = done["results"]
             if done["measure_settings"] == measure_settings:
-                print(f"{name}: reused from {name}/result.json")
+                print(f"{name}: reused from {name}/{RESULT_FILE}")
             else:
                 print(f"{name}: its measurement settings changed; measuring its distilled model again")
                 results["long_context"] = measure_variant(place, texts, options)
         else:
-            started = _read_json(place / "settings.json")  # the first file a variant writes in its folder
-            if place.exists() and started is None:
-                raise FileExistsError(f"{place} holds no settings.json, so this benchmark did not write it; nothing "
-                                      "was changed. Move it away, or give another --output_dir")
-            if place.exists() and started != training_settings:
-                print(f"{name}: its training settings changed since it ran; starting it afresh")
-                shutil.rmtree(place)
-            resume = place.exists()
-            if resume:
-                print(f"{name}: continuing the interrupted distillation")
-            write_text_atomically(place / "settings.json", json.dumps(training_settings, indent=1, default=str))
+            resume = start_part(place, training_settings)
             converted = place / "converted"
             if not converted.is_dir():
                 convert(source, out=converted,
@@ -278,11 +234,10 @@ def run(options: BenchLongContextOptions) -> int:
                                         **extra)
             results["stage3_probe_tokens_per_s"] = stage3_speed
             results["long_context"] = measure_variant(place, texts, options)
-        write_text_atomically(place / "result.json", json.dumps(
-            {"training_settings": training_settings, "measure_settings": measure_settings, "results": results},
-            indent=1, default=str))
+        write_json(place / RESULT_FILE,
+                   {"training_settings": training_settings, "measure_settings": measure_settings, "results": results})
         report["models"][name] = results
-        write_text_atomically(out / "results.json", json.dumps(report, indent=1, default=str))
+        write_json(out / "results.json", report)
 
     write_text_atomically(out / "results.md", markdown(report))
     plot(report, out / "long_context.png")

@@ -25,7 +25,6 @@ flags. A finished variant keeps its result in `variants/NAME/result.json` and is
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 from pathlib import Path
@@ -34,8 +33,9 @@ import torch
 from tqdm.auto import tqdm
 
 from .bench_distill import BenchDistillOptions, distill_in_budget, save_figure
+from .resumable import RESULT_FILE, as_saved, read_json, start_part, write_json
 
-#: name -> overrides of the baseline; one knob each (the baseline changes none)
+#: name -> overrides of the baseline; one knob each (the baseline changes none), but for the seed-1 confirmations
 VARIANTS = {
     "baseline": {},
     "stage1-share-0.2": {"stage1_share": 0.2},
@@ -55,6 +55,7 @@ VARIANTS = {
     "data-generated-only": {"dataset": "generated:{generated}"},
     "layers-uniform": {"keep_attention": "{keep_attention}"},
     "baseline-seed-1": {"seed": 1},  # the baseline on another data order and LoRA init: the noise between runs
+    "stage2-lr-1e-3-seed-1": {"stage2_lr": 1e-3, "seed": 1},  # the leader on seed 1: a win beyond the noise?
 }
 #: the baseline's layer plan (convert's default form): the share `--keep_attention` chosen by `auto:`
 BASELINE_PLAN = "auto:{keep_attention}"
@@ -221,8 +222,7 @@ def _settings(options: SweepRecipeOptions, name: str) -> dict:
     fields = ("teacher", "dataset", "eval_dataset", "crossdomain_dataset", "keep_attention", "init",
               "minutes_per_variant", "stage1_share", "stage1_tokens", "stage2_tokens", "seq_len", "batch_size",
               "evaluations", "eval_tokens", "packing", "mixed_precision")
-    settings = {"overrides": _overrides(options, name), **{field: getattr(options, field) for field in fields}}
-    return json.loads(json.dumps(settings, default=str))  # as they read back from result.json and settings.json
+    return as_saved({"overrides": _overrides(options, name), **{field: getattr(options, field) for field in fields}})
 
 
 def scores(results: dict) -> dict:
@@ -318,33 +318,25 @@ def run(options: SweepRecipeOptions) -> int:
     for i, name in enumerate(tqdm(names, desc="recipe sweep", unit="variant"), 1):
         place = out / "variants" / name
         settings = _settings(options, name)
-        saved = place / "result.json"
-        done = json.loads(saved.read_text()) if saved.is_file() else None
+        done = read_json(place / RESULT_FILE)
         if done is not None and done["settings"] == settings:
             verb = "reused"
         else:
-            if done is not None:
-                tqdm.write(f"{name}: its settings changed since it ran; running it again")
-            started = place / "settings.json"  # written when a variant starts: what an interrupted one ran with
-            continuing = (options.resume and done is None and started.is_file() and (place / "run").is_dir()
-                          and json.loads(started.read_text()) == settings)
-            if continuing:
-                tqdm.write(f"{name}: continuing its interrupted run")
-            write_text_atomically(started, json.dumps(settings, indent=1, default=str))
+            continuing = start_part(place, settings)
             plan = _fill(VARIANTS[name].get("keep_attention", BASELINE_PLAN), options)
             done = {"settings": settings, **run_variant(place, out / "converted" / _plan_folder(plan), teacher,
                                                         options, name, resume=continuing)}
-            write_text_atomically(saved, json.dumps(done, indent=1, default=str))
+            write_json(place / RESULT_FILE, done)
             verb = "ran"
         report["variants"][name] = {k: done[k] for k in ("overrides", "scores")}
         s = done["scores"]
         tqdm.write(f"[{i}/{len(names)}] {name} ({verb}): cross-domain {s['crossdomain_ratio']:.2f}x the teacher, "
                    f"in-domain {s['heldout_ratio']:.2f}x, top-1 agreement {s['top1_agreement']:.1%}, "
                    f"{s['wall_seconds'] / 60:.1f} min")
-        write_text_atomically(out / "results.json", json.dumps(report, indent=1, default=str))
+        write_json(out / "results.json", report)
 
     report["winner"] = choose_winner(report["variants"], options.tie_margin)
-    write_text_atomically(out / "results.json", json.dumps(report, indent=1, default=str))
+    write_json(out / "results.json", report)
     write_text_atomically(out / "results.md", markdown(report))
     plot(report, out / "sweep.png")
     folder.finish()

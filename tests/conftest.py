@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -124,3 +126,41 @@ def smollm2_gguf():
     from delta_attention.conversion.data.assets import smollm2_gguf_path
 
     return smollm2_gguf_path()
+
+
+def words(n, seed):
+    rng = random.Random(seed)
+    # a little structure (repeated bigrams) so that there is something to learn
+    out = []
+    while len(out) < n:
+        w = rng.randrange(60)
+        out += [f"w{w}", f"w{(w * 7 + 3) % 90}"]
+    return " ".join(out[:n])
+
+
+@pytest.fixture(scope="session")
+def folders(tmp_path_factory):
+    """A tiny Llama teacher with a tokenizer, its conversion (all-delta) and train/eval text files (tests only read
+    them: one set for the session)."""
+    from delta_attention.conversion.converter.pipeline import ConversionSettings, convert
+
+    root = tmp_path_factory.mktemp("distill")
+    teacher = tiny_llama_teacher(num_hidden_layers=3)
+    # a teacher worth distilling: a few hundred steps on the structured text
+    tokenizer = tiny_tokenizer()
+    ids = torch.tensor(tokenizer(words(20000, 4))["input_ids"][: 600 * 32]).view(600, 32)
+    optimizer = torch.optim.AdamW(teacher.parameters(), lr=3e-3)
+    for step in range(150):
+        batch = ids[torch.randint(0, 600, (16,), generator=torch.Generator().manual_seed(step))]
+        teacher(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    teacher.eval().save_pretrained(root / "teacher")
+    tokenizer.save_pretrained(root / "teacher")
+    settings = ConversionSettings(keep_attention="0", init="copy", calibration_tokens=256, calibration_seq_len=32,
+                                  chunk_size=16, bf16=False)
+    convert(str(root / "teacher"), out=root / "student", settings=settings, calibration_texts=[words(2000, 1)],
+            progress=False, log=lambda *a: None)
+    (root / "train.txt").write_text(words(30000, 2))
+    (root / "eval.txt").write_text(words(3000, 3))
+    return root

@@ -2,8 +2,6 @@
 
 import pytest
 
-from test_distill import folders  # noqa: F401  (the tiny teacher, its conversion and the text files)
-
 from delta_attention.scripts.bench_long_context import BenchLongContextOptions, check_options, markdown
 
 

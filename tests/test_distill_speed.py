@@ -15,7 +15,7 @@ from delta_attention.conversion.data.chat import IGNORE_INDEX
 from delta_attention.conversion.data.text import DataOptions, pack_blocks, training_blocks
 from delta_attention.conversion.training.distill import run_distill
 from delta_attention.conversion.training.objectives import LogitDistillation
-from test_distill import folders, options  # noqa: F401  (the tiny teacher, its conversion and the text files)
+from test_distill import options
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 2.0])

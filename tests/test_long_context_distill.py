@@ -22,7 +22,7 @@ from delta_attention.conversion.training.objectives import (
     chunked_distillation_loss,
     distillation_kl,
 )
-from test_distill import folders, options  # noqa: F401  (the tiny teacher, its conversion and the text files)
+from test_distill import options
 
 #: a short recipe: stages 1 and 2 of a few steps, then stage 3 on 128-token blocks (6 steps of 2 blocks)
 SHORT = dict(stage1_tokens=2 * 8 * 32, stage2_tokens=4 * 8 * 32, stage3_seq_len=128, stage3_batch_size=2,

@@ -7,8 +7,7 @@ import math
 import pytest
 
 import delta_attention.scripts.sweep_recipe as sweep
-from conftest import tiny_llama_teacher, tiny_tokenizer
-from test_distill import words
+from conftest import tiny_llama_teacher, tiny_tokenizer, words
 from delta_attention.scripts.cli import main
 from delta_attention.scripts.sweep_recipe import SweepRecipeOptions, choose_winner
 
