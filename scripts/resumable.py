@@ -53,11 +53,15 @@ def start_part(place: Path, settings: dict) -> bool:
     """Ready `place` for a part that runs with `settings`; returns whether an interrupted run of the same settings
     is there to continue.
 
-    A folder that holds neither `settings.json` nor `result.json` was not written by the benchmark: it is refused
-    (`FileExistsError`) and left as it is. One started with other settings is cleared, so the part starts afresh."""
+    A folder that holds none of `settings.json`, `result.json` and a distillation run folder (`run/`, with the
+    marker `distill` writes) was not written by the benchmark: it is refused (`FileExistsError`) and left as it is.
+    One started with other settings (or by a version that kept no settings) is cleared, so the part starts afresh."""
+    from delta_attention.conversion.output_folder import RUN_MARKER
+
     if place.exists():
         started = read_json(place / SETTINGS_FILE)
-        if started is None and not (place / RESULT_FILE).is_file():
+        ours = (place / RESULT_FILE).is_file() or (place / "run" / RUN_MARKER).is_file()
+        if started is None and not ours:
             raise FileExistsError(f"{place} holds no {SETTINGS_FILE}, so this benchmark did not write it; nothing "
                                   "was changed. Move it away, or give another --output_dir")
         if started != settings:

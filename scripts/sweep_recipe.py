@@ -44,6 +44,7 @@ VARIANTS = {
     "stage1-lr-1e-2": {"stage1_lr": 1e-2},
     "stage2-lr-1e-4": {"stage2_lr": 1e-4},
     "stage2-lr-1e-3": {"stage2_lr": 1e-3},
+    "stage2-lr-3e-3": {"stage2_lr": 3e-3},
     "lora-r8": {"lora_r": 8, "lora_alpha": 16},
     "lora-r32": {"lora_r": 32, "lora_alpha": 64},
     "lora-all-linear": {"lora_target_modules": "all-linear"},

@@ -110,6 +110,11 @@ def test_a_part_continues_on_its_own_settings_and_starts_afresh_on_others(tmp_pa
     (place / "settings.json").unlink()
     (place / "result.json").write_text("{}")
     assert start_part(place, {"a": 3}) is False and not (place / "result.json").exists()
+    # so is an interrupted one of such a version: a distill run folder and no settings
+    (place / "settings.json").unlink()
+    (place / "run").mkdir()
+    (place / "run" / "delta_attention_run.json").write_text("{}")
+    assert start_part(place, {"a": 4}) is False and not (place / "run").exists()
 
 
 def test_kept_records_are_recomputed_only_when_their_settings_change(tmp_path):
