@@ -128,6 +128,22 @@ def smollm2_gguf():
     return smollm2_gguf_path()
 
 
+class Killed(Exception):
+    """What `training_killed_at` raises in place of a kill."""
+
+
+def training_killed_at(run_training, stage: int, step: int):
+    """`run_training` (the distill loop's) that raises `Killed` at `step` of stage `stage`, as a kill would stop it."""
+    def run(*args, **kwargs):
+        if f"stage {stage}" in kwargs.get("description", ""):
+            def stop(n):
+                if n == step:
+                    raise Killed
+            kwargs["step_callback"] = stop
+        return run_training(*args, **kwargs)
+    return run
+
+
 def words(n, seed):
     rng = random.Random(seed)
     # a little structure (repeated bigrams) so that there is something to learn

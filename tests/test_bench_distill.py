@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from conftest import Killed, training_killed_at
 from delta_attention.scripts.bench_distill import BenchDistillOptions, check_options
 from delta_attention.scripts.resumable import kept, start_part
 
@@ -46,16 +47,7 @@ def test_resume_reuses_finished_layouts_and_continues_an_interrupted_one(folders
         trained.append(kwargs["description"])
         return original_training(*args, **kwargs)
 
-    class Killed(Exception):
-        pass
-
-    def killed_at_step_5_of_stage_2(*args, **kwargs):
-        if "stage 2" in kwargs["description"]:
-            def stop(step):
-                if step == 5:
-                    raise Killed
-            kwargs["step_callback"] = stop
-        return original_training(*args, **kwargs)
+    killed_at_step_5_of_stage_2 = training_killed_at(original_training, 2, 5)
 
     out = tmp_path / "bench"
     monkeypatch.setattr(pipeline, "run_training", killed_at_step_5_of_stage_2)

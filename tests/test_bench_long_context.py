@@ -2,6 +2,7 @@
 
 import pytest
 
+from conftest import Killed, training_killed_at
 from delta_attention.scripts.bench_long_context import BenchLongContextOptions, check_options, markdown
 
 
@@ -213,16 +214,7 @@ def test_resume_reuses_finished_parts_and_continues_an_interrupted_variant(folde
         report["models"]["all-delta"]["stage2"]
 
     # killed in stage 2 after its step-4 checkpoint, then resumed: the weights of the run never stopped
-    class Killed(Exception):
-        pass
-
-    def killed_at_step_5_of_stage_2(*args, **kwargs):
-        if "stage 2" in kwargs["description"]:
-            def stop(step):
-                if step == 5:
-                    raise Killed
-            kwargs["step_callback"] = stop
-        return original_training(*args, **kwargs)
+    killed_at_step_5_of_stage_2 = training_killed_at(original_training, 2, 5)
 
     killed = tmp_path / "killed"
     monkeypatch.setattr(pipeline, "run_training", killed_at_step_5_of_stage_2)

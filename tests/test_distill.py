@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import delta_attention.conversion.training.distill as pipeline
-from conftest import tiny_tokenizer, words
+from conftest import Killed, tiny_tokenizer, training_killed_at, words
 from delta_attention.conversion.training.distill import DistillOptions, run_distill
 from delta_attention.conversion.training.metrics import read_metrics
 from delta_attention.conversion.data.text import DataOptions
@@ -74,16 +74,7 @@ def test_killed_during_stage_2_and_resumed_gives_the_same_weights(folders, tmp_p
     run_distill(*options(folders, tmp_path / "straight", eval_tokens=0))
     original = pipeline.run_training
 
-    class Killed(Exception):
-        pass
-
-    def killed_at_step_15_of_stage_2(*args, **kwargs):
-        if "stage 2" in kwargs.get("description", ""):
-            def stop(step):
-                if step == 15:
-                    raise Killed
-            kwargs["step_callback"] = stop
-        return original(*args, **kwargs)
+    killed_at_step_15_of_stage_2 = training_killed_at(original, 2, 15)
 
     monkeypatch.setattr(pipeline, "run_training", killed_at_step_15_of_stage_2)
     with pytest.raises(Killed):

@@ -22,6 +22,7 @@ from delta_attention.conversion.training.objectives import (
     chunked_distillation_loss,
     distillation_kl,
 )
+from conftest import Killed, training_killed_at
 from test_distill import options
 
 #: a short recipe: stages 1 and 2 of a few steps, then stage 3 on 128-token blocks (6 steps of 2 blocks)
@@ -140,16 +141,7 @@ def test_stages_1_2_3_record_stage_3_in_metrics_results_and_card(straight):
 def test_killed_during_stage_3_and_resumed_gives_the_same_weights(folders, straight, tmp_path, monkeypatch):  # noqa: F811
     original = pipeline.run_training
 
-    class Killed(Exception):
-        pass
-
-    def killed_at_step_5_of_stage_3(*args, **kwargs):
-        if "stage 3" in kwargs.get("description", ""):
-            def stop(step):
-                if step == 5:
-                    raise Killed
-            kwargs["step_callback"] = stop
-        return original(*args, **kwargs)
+    killed_at_step_5_of_stage_3 = training_killed_at(original, 3, 5)
 
     run = options(folders, tmp_path / "resumed", eval_tokens=256, gradient_checkpointing=True, **SHORT)
     monkeypatch.setattr(pipeline, "run_training", killed_at_step_5_of_stage_3)
