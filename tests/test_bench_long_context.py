@@ -1,8 +1,11 @@
 """The constant-memory benchmark's option checks and tables (the benchmark itself runs for hours)."""
 
+import dataclasses
+
 import pytest
 
 from conftest import Killed, training_killed_at
+from test_bench_distill import tiny_bench as tiny_distill_bench
 from delta_attention.scripts.bench_long_context import BenchLongContextOptions, check_options, markdown
 
 
@@ -158,15 +161,10 @@ def test_probe_speed_runs_the_stage_alone_and_returns_the_loops_last_speed(folde
 
 
 def tiny_bench(folders, out, **overrides) -> BenchLongContextOptions:
-    """The benchmark at toy sizes on the tiny teacher: all-delta only, two steps per stage."""
-    (folders / "cross.txt").write_text(" ".join(f"w{(i * 13) % 90}" for i in range(1500)))
-    fields = dict(output_dir=str(out), teacher=str(folders / "teacher"), dataset=str(folders / "train.txt"),
-                  eval_dataset=str(folders / "eval.txt"), crossdomain_dataset=str(folders / "cross.txt"),
-                  variants="all-delta", stage1_tokens=256, stage2_tokens=768, seq_len=32, batch_size=4,
-                  evaluations=1, eval_tokens=64, probe_steps=1, mixed_precision="no", checkpoint_every_tokens=256,
-                  long_max_tokens=256, long_buckets="0,64,256", long_piece=64, long_reset_window=64,
-                  passkey_lengths="96", passkey_depths="0.5", decode_contexts="32", decode_new_tokens=2,
-                  teacher_max_context=256, agreement=False)
+    """The benchmark at toy sizes on the tiny teacher (the distillation benchmark's toy settings): all-delta only."""
+    fields = dataclasses.asdict(tiny_distill_bench(folders, out)) | dict(
+        variants="all-delta", long_max_tokens=256, long_buckets="0,64,256", long_piece=64, long_reset_window=64,
+        passkey_lengths="96", passkey_depths="0.5", decode_contexts="32", decode_new_tokens=2, teacher_max_context=256)
     fields.update(overrides)
     return BenchLongContextOptions(**fields)
 
