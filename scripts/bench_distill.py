@@ -73,6 +73,7 @@ class BenchDistillOptions:
     overwrite: bool = dataclasses.field(default=False, metadata={
         "help": "replace an existing --output_dir (a benchmark folder) once the new benchmark is done"})
 
+
 #: options that decide a layout's distilled model (with its layer plan): a change retrains it
 TRAINING_KEYS = ("teacher", "dataset", "eval_dataset", "crossdomain_dataset", "minutes_per_model", "stage1_share",
                  "stage1_tokens", "stage2_tokens", "seq_len", "batch_size", "evaluations", "eval_tokens",
