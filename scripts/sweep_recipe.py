@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -109,6 +110,9 @@ class SweepRecipeOptions:
         "help": "continue a sweep in output_dir: finished variants are reused, an interrupted one continues"})
     overwrite: bool = dataclasses.field(default=False, metadata={
         "help": "replace an existing output_dir (a sweep folder) once the new sweep is done"})
+    keep_checkpoints: bool = dataclasses.field(default=False, metadata={
+        "help": "keep a finished variant's training checkpoints, stage-1 model and speed probes (by default only "
+                "its distilled model, metrics and report stay: about 0.6 instead of 1.4 GB a variant for SmolLM2)"})
 
 
 def _fill(value, options: SweepRecipeOptions):
@@ -290,6 +294,19 @@ def run_variant(folder: Path, converted: Path, teacher: str, options: SweepRecip
     return {"overrides": overrides, "scores": scores(results), "results": results}
 
 
+def prune_finished(place: Path) -> None:
+    """Delete what a finished variant in `place` no longer needs: the checkpoints and stage-1 model of its distill run
+    (`run/`, which distill marked as its own) and the speed probes; its distilled model, metrics and report stay."""
+    from delta_attention.conversion.output_folder import RUN_MARKER
+
+    run = place / "run"
+    if not (run / RUN_MARKER).is_file():
+        return
+    for folder in [*run.glob("stage*/checkpoints"), run / "stage1" / "model", *place.glob("probe[0-9]")]:
+        if folder.is_dir():
+            shutil.rmtree(folder)
+
+
 def run(options: SweepRecipeOptions) -> int:
     from delta_attention.conversion.converter.pipeline import ConversionSettings, convert
     from delta_attention.conversion.converter.sources import load_source
@@ -329,6 +346,8 @@ def run(options: SweepRecipeOptions) -> int:
                                                         options, name, resume=continuing)}
             write_json(place / RESULT_FILE, done)
             verb = "ran"
+        if not options.keep_checkpoints:
+            prune_finished(place)
         report["variants"][name] = {k: done[k] for k in ("overrides", "scores")}
         s = done["scores"]
         tqdm.write(f"[{i}/{len(names)}] {name} ({verb}): cross-domain {s['crossdomain_ratio']:.2f}x the teacher, "

@@ -71,6 +71,11 @@ def test_sweep_scores_every_variant_picks_by_the_rule_and_reuses_finished_ones(i
     markdown = (out / "results.md").read_text()
     assert f"| **{expected}** |" in markdown and markdown.count("\n| ") == 4  # header + 3 variants
     assert (out / "sweep.png").stat().st_size > 0
+    # a finished variant keeps its distilled model, metrics and report; its checkpoints and stage-1 model go
+    run = out / "variants" / "baseline" / "run"
+    assert (run / "model" / "model.safetensors").is_file() and (run / "stage2" / "metrics.jsonl").is_file()
+    assert (run / "report.md").is_file()
+    assert not any(run.glob("stage*/checkpoints")) and not (run / "stage1" / "model").exists()
     printed = capsys.readouterr().out
     assert f"winner: {expected}; its recipe:" in printed and "delta-attention distill STUDENT" in printed
 
