@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .packed_linear import PackedWeight, packed_linear, takes_packed
+
 # the rows (tokens of a batch, all rows together) taken as W @ x^T; above 4, x @ W^T was as fast or faster for
 # most of SmolLM2's weights, and one row is a gemv (large weights: below)
 FEW_ROWS = 4
@@ -75,11 +77,17 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 class DeltaLinear(nn.Linear):
     """`nn.Linear` (same parameters, names and maths) whose forward takes `few_rows_linear`; `few_rows = False`
-    (on the class or a layer) keeps `F.linear` everywhere."""
+    (on the class or a layer) keeps `F.linear` everywhere. A layer given a packed copy of its weight
+    (`packed_linear.pack_linear_weights`, an opt-in) multiplies through it where `takes_packed` allows."""
 
     few_rows = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.__dict__.get("packed_weight")
+        if packed is not None and takes_packed(x, self.weight):
+            if not packed.is_current(self.weight):  # the weight changed (or the layer was copied): pack it again
+                packed = self.packed_weight = PackedWeight(self.weight)
+            return packed_linear(x, packed, self.bias)
         if self.few_rows:
             return few_rows_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -47,6 +47,7 @@ from .delta_block import block_delta_rule
 from .delta_prefill import KeptHidden, release_freed_memory
 from .delta_rule import chunk_delta_rule, delta_step_inplace, recurrent_delta_rule
 from .few_rows_linear import DeltaLinear, few_rows_linear
+from .packed_linear import MIN_PACKED_BYTES, pack_linear_weights, unpack_linear_weights
 
 
 MASK_FUNCTIONS = {
@@ -772,6 +773,18 @@ class DeltaPreTrainedModel(PreTrainedModel):
                 init.copy_(module.conv1d.weight, module._identity_conv_weight())
         elif isinstance(module, DeltaHeadRMSNorm):
             init.ones_(module.weight)
+
+    def pack_linear_weights(self, min_bytes: int = MIN_PACKED_BYTES) -> int:
+        """For CPU inference in float32: give the linear layers whose weights have at least `min_bytes` (the MLP's and
+        the LM head in SmolLM2-sized models) oneDNN's prepacked copy of their weight, which multiplies a decode
+        step's or a speculative verification's few rows faster than `F.linear`. Costs a second copy of those
+        weights: returns the bytes added (0, with a log line, where torch has no oneDNN). Outputs agree with the
+        unpacked model to float32 rounding (`modeling/packed_linear.py`); `unpack_linear_weights` undoes it."""
+        return pack_linear_weights(self, DeltaLinear, min_bytes)
+
+    def unpack_linear_weights(self) -> None:
+        """Free the copies `pack_linear_weights` made; the layers go back to their usual path."""
+        unpack_linear_weights(self)
 
 
 class DeltaModel(DeltaPreTrainedModel):

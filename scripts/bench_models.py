@@ -8,6 +8,7 @@ given context (a real 64k-token prefill of the Llama would dominate the run), th
 
 from __future__ import annotations
 
+import copy
 import gc
 import time
 
@@ -122,13 +123,16 @@ def run_decode_benchmark(models: dict, contexts, steps: int, log=print) -> dict:
             size = cache_bytes(cache) // models["delta"].config.num_hidden_layers
             rows.append({"model": "one delta layer", "context": context, "ms_per_token": ms, "cache_bytes": size})
             log(f"decode {'one delta layer':20s} context {context:6d}: {ms:8.3f} ms/token, cache {size / 2**20:8.2f} MiB")
-    variants = [("delta", None), ("hybrid", None), ("hybrid", "static"), ("llama", None), ("llama", "static")]
+    # (model, cache): "static" a StaticCache; "delta+packed" and "hybrid+packed" (`with_packed_weights`) the same
+    # models with packed weights, beside them
+    variants = [("delta", None), ("delta+packed", None), ("hybrid", None), ("hybrid", "static"),
+                ("hybrid+packed", None), ("llama", None), ("llama", "static")]
     for context in contexts:
         for name, kind in variants:
             if name not in models:
                 continue
             label = name if kind is None else f"{name}+StaticCache"
-            cache = synthesized_cache(models[name], context, static_steps=steps + 4 if kind else None)
+            cache = synthesized_cache(models[name], context, static_steps=steps + 4 if kind == "static" else None)
             size = cache_bytes(cache)
             ms = decode_ms_per_token(models[name], cache, steps)
             rows.append({"model": label, "context": context, "ms_per_token": ms, "cache_bytes": size})
@@ -146,8 +150,26 @@ def prefill_tokens_per_second(model, length: int, vocab: int) -> float:
     return length / seconds
 
 
+def with_packed_weights(models: dict, log=print, min_bytes: int | None = None) -> dict:
+    """`models` and, beside each delta model, a copy with packed weights (`pack_linear_weights`, its default size
+    threshold unless `min_bytes`) as "NAME+packed"; none where no weight is large enough."""
+    out = {}
+    for name, model in models.items():
+        out[name] = model
+        if hasattr(model, "pack_linear_weights"):
+            packed = copy.deepcopy(model)
+            added = packed.pack_linear_weights() if min_bytes is None else packed.pack_linear_weights(min_bytes)
+            if added:
+                out[f"{name}+packed"] = packed
+                log(f"{name}+packed: {added / 2**20:.0f} MiB of packed weights")
+    return out
+
+
 def run_prefill_benchmark(models: dict, lengths, log=print) -> dict:
+    """Prefill tokens/s per model and prompt length (the packed copies are skipped: a prompt has more rows than a
+    packed weight takes, so they would time the same path again)."""
     rows = []
+    models = {name: model for name, model in models.items() if not name.endswith("+packed")}
     for length in lengths:
         for name, model in models.items():
             rate = prefill_tokens_per_second(model, length, model.config.vocab_size)

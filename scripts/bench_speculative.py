@@ -55,7 +55,8 @@ class SpeculativeOptions:
     output_dir: str = dataclasses.field(default="results/speculative", metadata={"help": "results folder"})
     layouts: str = dataclasses.field(
         default="hybrid,all-delta", metadata={"help": "hybrid, all-delta and/or teacher (the source model: greedy and "
-                                                      "prompt lookup only)"})
+                                                      "prompt lookup only); hybrid+packed and all-delta+packed: the "
+                                                      "same model with packed weights (pack_linear_weights)"})
     hybrid_model: str | None = dataclasses.field(
         default=None, metadata={"help": "a converted hybrid model folder (default: convert the offline GGUF into "
                                         "OUTPUT_DIR/models/hybrid, or reuse what an earlier run put there)"})
@@ -540,8 +541,9 @@ def run_speculative(options: SpeculativeOptions, log=print) -> dict:
 
     options.validate()
     layouts = [name.strip() for name in options.layouts.split(",") if name.strip()]
-    if not layouts or set(layouts) - {"hybrid", "all-delta", "teacher"}:
-        raise ValueError(f"--layouts must be a comma-separated subset of hybrid, all-delta, teacher, got "
+    known = ("hybrid", "all-delta", "teacher", "hybrid+packed", "all-delta+packed")
+    if not layouts or set(layouts) - set(known):
+        raise ValueError(f"--layouts must be a comma-separated subset of {', '.join(known)}, got "
                          f"{options.layouts!r}")
     for flag in ("hybrid_model", "delta_model", "teacher_model", "assistant_model"):  # before any conversion or loading
         if getattr(options, flag):
@@ -565,9 +567,13 @@ def run_speculative(options: SpeculativeOptions, log=print) -> dict:
                 model, tokenizer = load_model(spec, dtype=dtype, what="--teacher_model")
                 models[layout] = (model, None, f"the source model ({Path(spec).name}), not converted")
                 continue
-            model, tokenizer = load_model(_model_folder(layout, options, output, log), dtype=dtype, require_delta=True)
+            base, packed = layout.removesuffix("+packed"), layout.endswith("+packed")
+            model, tokenizer = load_model(_model_folder(base, options, output, log), dtype=dtype, require_delta=True)
             draft = assistant if assistant is not None else early_exit_draft(model, options.draft_layers)
-            models[layout] = (model, draft, f"{layout} conversion of SmolLM2-135M-Instruct")
+            description = f"{base} conversion of SmolLM2-135M-Instruct"
+            if packed:
+                description += f", packed weights (+{model.pack_linear_weights() / 2**20:.0f} MiB)"
+            models[layout] = (model, draft, description)
         report = {"environment": _environment(), "options": dataclasses.asdict(options), "command": _command()}
         report["models"] = measure(models, tokenizer, heldout_texts(), options, output, log)
         report["seconds"] = time.perf_counter() - started

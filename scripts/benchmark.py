@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from .bench_kernels import run_kernel_benchmark
-from .bench_models import build_models, run_decode_benchmark, run_long_prompt_benchmark, run_prefill_benchmark
+from .bench_models import (build_models, run_decode_benchmark, run_long_prompt_benchmark, run_prefill_benchmark,
+                           with_packed_weights)
 from .bench_report import markdown, plot
 
 PARTS = ("kernel", "decode", "prefill", "long", "speculative")  # speculative: bench_speculative.py, not by default
@@ -48,6 +49,8 @@ class Options:
     long_reference_tokens: int = field(default=8192, metadata={"help": "the same model at this length, to compare"})
     dtype: str = field(default="float32", metadata={"help": "model weights for decode/prefill/long: float32|bfloat16"})
     threads: int = field(default=0, metadata={"help": "torch threads (0: torch's default)"})
+    packed: bool = field(default=True, metadata={
+        "help": "also time the delta models' decode with packed weights (pack_linear_weights; float32 only)"})
     quick: bool = field(default=False, metadata={"help": "small sizes: a quick run of a few minutes"})
     smoke: bool = field(default=False, metadata={"help": "tiny models and sizes: checks the pipeline, measures nothing"})
 
@@ -123,7 +126,9 @@ def _run(options: Options, parts: list[str]) -> int:
     if "decode" in parts or "prefill" in parts:
         models = build_models(dtype, shape)
         if "decode" in parts:
-            results["decode"] = run_decode_benchmark(models, contexts, options.decode_steps, log=log)
+            decoded = with_packed_weights(models, log) if options.packed and dtype == torch.float32 else models
+            results["decode"] = run_decode_benchmark(decoded, contexts, options.decode_steps, log=log)
+            del decoded
         if "prefill" in parts:
             results["prefill"] = run_prefill_benchmark(models, prefill_lengths, log=log)
         del models
