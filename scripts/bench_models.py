@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import statistics
 import time
 
 import torch
@@ -89,18 +90,19 @@ def synthesized_cache(model, context: int, static_steps: int | None = None):
     return cache
 
 
-def decode_ms_per_token(model, cache, steps: int) -> float:
-    """Median ms of one greedy decode step (one token in, logits of one token out) on `cache`."""
-    token = torch.tensor([[17]])
+def decode_step_times(model, cache, token: torch.Tensor, steps: int, warmup: int = 1
+                      ) -> tuple[list[float], torch.Tensor]:
+    """Seconds of each of `steps` greedy decode steps (one token in, logits of one token out) on `cache`, after
+    `warmup` untimed ones, starting from `token` [1, 1]; returns them and the next token."""
     times = []
     with torch.no_grad():
-        for step in range(steps + 2):  # the first two are warm-up
+        for step in range(warmup + steps):
             begin = time.perf_counter()
             logits = model(token, cache=cache, use_cache=True, logits_to_keep=1).logits
-            times.append(time.perf_counter() - begin)
+            if step >= warmup:
+                times.append(time.perf_counter() - begin)
             token = logits[:, -1:].argmax(-1)
-    times = sorted(times[2:])
-    return times[len(times) // 2] * 1e3
+    return times, token
 
 
 def delta_layer_ms_per_token(model, cache, repeats: int = 50) -> float:
@@ -114,7 +116,9 @@ def delta_layer_ms_per_token(model, cache, repeats: int = 50) -> float:
     return seconds * 1e3
 
 
-def run_decode_benchmark(models: dict, contexts, steps: int, log=print) -> dict:
+def run_decode_benchmark(models: dict, contexts, steps: int, log=print, rounds: int = 4) -> dict:
+    """Decode ms/token and cache bytes per model and context: one delta layer alone, then the models' whole steps,
+    interleaved in `rounds` turns (the median of `steps` steps each)."""
     rows = []
     if "delta" in models:
         for context in contexts:
@@ -127,19 +131,30 @@ def run_decode_benchmark(models: dict, contexts, steps: int, log=print) -> dict:
     # models with packed weights, beside them
     variants = [("delta", None), ("delta+packed", None), ("hybrid", None), ("hybrid", "static"),
                 ("hybrid+packed", None), ("llama", None), ("llama", "static")]
+    variants = [(name, kind) for name, kind in variants if name in models]
     for context in contexts:
-        for name, kind in variants:
-            if name not in models:
-                continue
+        # every model's steps in `rounds` turns, one model after another (a warm-up step at each turn), so that a
+        # slower or faster spell of a shared machine falls on all of them alike
+        caches = {v: synthesized_cache(models[v[0]], context, static_steps=steps + rounds + 4 if v[1] else None)
+                  for v in variants}
+        tokens = {v: torch.tensor([[17]]) for v in variants}
+        times = {v: [] for v in variants}
+        for turn in range(rounds):
+            for v in variants:
+                count = steps // rounds + (turn < steps % rounds)
+                measured, tokens[v] = decode_step_times(models[v[0]], caches[v], tokens[v], count)
+                times[v] += measured
+        for (name, kind), cache in caches.items():
             label = name if kind is None else f"{name}+StaticCache"
-            cache = synthesized_cache(models[name], context, static_steps=steps + 4 if kind == "static" else None)
             size = cache_bytes(cache)
-            ms = decode_ms_per_token(models[name], cache, steps)
+            ms = statistics.median(times[(name, kind)]) * 1e3
             rows.append({"model": label, "context": context, "ms_per_token": ms, "cache_bytes": size})
             log(f"decode {label:20s} context {context:6d}: {ms:8.2f} ms/token, cache {size / 2**20:8.1f} MiB")
-            del cache
-            gc.collect()
-    return {"steps": steps, "cache": "synthesized (random tensors of the right shapes), then real decode steps",
+        del caches
+        gc.collect()
+    return {"steps": steps, "rounds": rounds,
+            "cache": f"synthesized (random tensors of the right shapes), then real decode steps, the models taking "
+                     f"turns ({rounds} turns of {steps} steps each in all)",
             "rows": rows}
 
 
