@@ -46,6 +46,7 @@ VARIANTS = {
     "stage2-lr-1e-4": {"stage2_lr": 1e-4},
     "stage2-lr-1e-3": {"stage2_lr": 1e-3},
     "stage2-lr-3e-3": {"stage2_lr": 3e-3},
+    "stage2-lr-1e-2": {"stage2_lr": 1e-2},
     "lora-r8": {"lora_r": 8, "lora_alpha": 16},
     "lora-r32": {"lora_r": 32, "lora_alpha": 64},
     "lora-all-linear": {"lora_target_modules": "all-linear"},
@@ -58,6 +59,7 @@ VARIANTS = {
     "layers-uniform": {"keep_attention": "{keep_attention}"},
     "baseline-seed-1": {"seed": 1},  # the baseline on another data order and LoRA init: the noise between runs
     "stage2-lr-1e-3-seed-1": {"stage2_lr": 1e-3, "seed": 1},  # the leader on seed 1: a win beyond the noise?
+    "stage2-lr-3e-3-seed-1": {"stage2_lr": 3e-3, "seed": 1},
 }
 #: the baseline's layer plan (convert's default form): the share `--keep_attention` chosen by `auto:`
 BASELINE_PLAN = "auto:{keep_attention}"
