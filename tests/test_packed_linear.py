@@ -145,3 +145,23 @@ def test_the_decode_benchmark_times_packed_copies_beside_the_models():
     assert labels == ["one delta layer", "delta", "delta+packed", "hybrid", "hybrid+StaticCache", "hybrid+packed"]
     prefill = run_prefill_benchmark(both, [8], log=lambda *_: None)
     assert [row["model"] for row in prefill["rows"]] == ["delta", "hybrid"]
+
+
+def test_the_decode_benchmark_lets_the_models_take_turns(monkeypatch):
+    """Each model's steps come in turns, one model after another, so a slow spell falls on every row alike."""
+    from delta_attention.scripts import bench_models
+
+    calls = []
+    original = bench_models.decode_step_times
+
+    def recorded(model, cache, token, steps, warmup=1):
+        calls.append((names[id(model)], steps))
+        return original(model, cache, token, steps, warmup)
+
+    models = {"delta": tiny_delta_model(num_hidden_layers=2).eval(),
+              "hybrid": tiny_delta_model(num_hidden_layers=2, layer_types=["full_attention", "linear_attention"]).eval()}
+    names = {id(model): name for name, model in models.items()}
+    monkeypatch.setattr(bench_models, "decode_step_times", recorded)
+    decode = bench_models.run_decode_benchmark(models, [16], steps=6, rounds=4, log=lambda *_: None)
+    assert calls == [("delta", 2), ("hybrid", 2), ("hybrid", 2)] * 2 + [("delta", 1), ("hybrid", 1), ("hybrid", 1)] * 2
+    assert [r["model"] for r in decode["rows"]] == ["one delta layer", "delta", "hybrid", "hybrid+StaticCache"]
