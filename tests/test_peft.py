@@ -55,3 +55,21 @@ def test_lora_trains_saves_reloads_and_merges(tmp_path, targets):
         merged = reloaded.merge_and_unload()
         assert not any("lora_" in name for name, _ in merged.named_parameters())
         assert (merged(input_ids=probe).logits - adapted).abs().max() <= 1e-5
+
+
+def test_add_lora_all_linear_keeps_lora_weights_out_of_the_new_parameters():
+    """all-linear LoRA also wraps the delta layers' new projections: each parameter lands in one AdamW group."""
+    from conversion.training.objectives import add_lora
+
+    base = build()
+    layer = base.model.layers[0].self_attn  # a delta layer
+    before = {id(p) for p in layer.new_parameters()}
+    model, new_params = add_lora(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    lora_params = [p for name, p in model.named_parameters() if "lora_" in name]
+    wrapped = [name for name, _ in layer.named_parameters() if "lora_A" in name
+               and name.split(".")[0] not in layer.COPIED_FROM_ATTENTION]
+    assert wrapped, "all-linear should adapt a new projection of the delta layer"
+    # the new parameters are what the layer had before PEFT, trained in full; the LoRA weights are apart
+    assert before <= {id(p) for p in new_params} and all(p.requires_grad for p in new_params)
+    assert not {id(p) for p in new_params} & {id(p) for p in lora_params}
+    torch.optim.AdamW([{"params": lora_params, "lr": 1e-3}, {"params": new_params, "lr": 1e-2}])
