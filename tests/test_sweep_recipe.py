@@ -8,6 +8,7 @@ import pytest
 
 import delta_attention.scripts.sweep_recipe as sweep
 from conftest import tiny_llama_teacher, tiny_tokenizer, words
+from delta_attention.conversion.training.distill import DistillOptions
 from delta_attention.scripts.cli import main
 from delta_attention.scripts.sweep_recipe import SweepRecipeOptions, choose_winner
 
@@ -93,6 +94,15 @@ def test_sweep_scores_every_variant_picks_by_the_rule_and_reuses_finished_ones(i
     assert sweep.run(tiny_sweep(inputs, out, resume=True, variants="baseline", stage2_tokens=384)) == 0
     assert runs[4:] == ["baseline"]
     assert json.loads((out / "results.json").read_text())["variants"]["baseline"]["scores"]["stage2_tokens"] == 384
+    # so does one whose recipe changed under it (a distill default the variants set)
+    assert sweep.run(tiny_sweep(inputs, out, resume=True, variants="baseline", stage2_tokens=384)) == 0
+    assert runs[5:] == []
+    recipe = sweep.recipe_defaults()
+    assert recipe["stage2_lr"] == DistillOptions().stage2_lr and recipe["lora_target_modules"] == "q_proj,k_proj,v_proj,o_proj"
+    monkeypatch.setattr(sweep, "recipe_defaults", lambda: {**recipe, "stage2_lr": recipe["stage2_lr"] / 10})
+    assert sweep.run(tiny_sweep(inputs, out, resume=True, variants="baseline", stage2_tokens=384)) == 0
+    assert runs[5:] == ["baseline"]
+    assert f"stage2_lr {recipe['stage2_lr'] / 10}" in (out / "results.md").read_text()
 
 
 def test_winner_rule_breaks_ties_by_agreement():

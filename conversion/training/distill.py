@@ -72,7 +72,8 @@ class DistillOptions:
         default="new", metadata={"help": "new: only the new delta parameters; mixer: the whole delta layers"}
     )
     stage2_tokens: int = dataclasses.field(default=200_000, metadata={"help": "token budget of logit distillation"})
-    stage2_lr: float = dataclasses.field(default=3e-4, metadata={"help": "learning rate of the LoRA weights"})
+    stage2_lr: float = dataclasses.field(default=3e-3, metadata={
+        "help": "learning rate of the LoRA weights (3e-3 won the recipe sweep over 3e-4, 1e-3 and 1e-2 on two seeds)"})
     stage2_new_params_lr: float = dataclasses.field(
         default=1e-3, metadata={"help": "learning rate of the new delta parameters in stage 2"}
     )
