@@ -67,7 +67,8 @@ class DistillOptions:
         default="1,2", metadata={"help": "stages to run: 1, 2, 1,2 or 1,2,3 (3: long-context distillation)"}
     )
     stage1_tokens: int = dataclasses.field(default=200_000, metadata={"help": "token budget of attention transfer"})
-    stage1_lr: float = dataclasses.field(default=3e-3, metadata={"help": "learning rate of stage 1"})
+    stage1_lr: float = dataclasses.field(default=1e-2, metadata={
+        "help": "learning rate of stage 1 (1e-2 won the recipe sweep over 3e-3 on two seeds)"})
     stage1_params: str = dataclasses.field(
         default="new", metadata={"help": "new: only the new delta parameters; mixer: the whole delta layers"}
     )
