@@ -59,7 +59,7 @@ def test_lora_trains_saves_reloads_and_merges(tmp_path, targets):
 
 def test_add_lora_all_linear_keeps_lora_weights_out_of_the_new_parameters():
     """all-linear LoRA also wraps the delta layers' new projections: each parameter lands in one AdamW group."""
-    from conversion.training.objectives import add_lora
+    from delta_attention.conversion.training.objectives import add_lora
 
     base = build()
     layer = base.model.layers[0].self_attn  # a delta layer

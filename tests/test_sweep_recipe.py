@@ -98,7 +98,8 @@ def test_sweep_scores_every_variant_picks_by_the_rule_and_reuses_finished_ones(i
     assert sweep.run(tiny_sweep(inputs, out, resume=True, variants="baseline", stage2_tokens=384)) == 0
     assert runs[5:] == []
     recipe = sweep.recipe_defaults()
-    assert recipe["stage2_lr"] == DistillOptions().stage2_lr and recipe["lora_target_modules"] == "q_proj,k_proj,v_proj,o_proj"
+    assert recipe["stage2_lr"] == DistillOptions().stage2_lr
+    assert recipe["lora_target_modules"] == "q_proj,k_proj,v_proj,o_proj"
     monkeypatch.setattr(sweep, "recipe_defaults", lambda: {**recipe, "stage2_lr": recipe["stage2_lr"] / 10})
     assert sweep.run(tiny_sweep(inputs, out, resume=True, variants="baseline", stage2_tokens=384)) == 0
     assert runs[5:] == ["baseline"]
