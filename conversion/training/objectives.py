@@ -324,13 +324,10 @@ def add_lora(student, config):
     """
     from peft import get_peft_model
 
+    # taken before PEFT wraps anything: LoRA targets such as all-linear also wrap the delta layers' new projections
+    # (their weights stay, as `base_layer`), and those LoRA weights belong to the LoRA group only
+    new_params = [p for i in delta_layer_indices(student) for p in student.model.layers[i].self_attn.new_parameters()]
     model = get_peft_model(student, config)
-    base = model.get_base_model()
-    # LoRA targets such as all-linear also wrap the delta layers' new projections: their LoRA weights belong to
-    # the LoRA group, and only what the layer had before PEFT (now `base_layer`) is trained in full
-    lora_weights = {id(p) for name, p in model.named_parameters() if "lora_" in name}
-    new_params = [p for i in delta_layer_indices(base) for p in base.model.layers[i].self_attn.new_parameters()
-                  if id(p) not in lora_weights]
     for p in new_params:
         p.requires_grad_(True)
     return model, new_params
