@@ -58,6 +58,11 @@ class BenchDistillOptions:
     stage2_tokens: int = dataclasses.field(
         default=0, metadata={"help": "stage 2 token budget; 0 derives it from the time budget and the probed speed"}
     )
+    stage1_lr: float | None = dataclasses.field(default=None, metadata={
+        "help": "distill's --stage1_lr (default: distill's default; set it and --stage2_lr to rerun another recipe "
+                "beside the current one)"})
+    stage2_lr: float | None = dataclasses.field(default=None, metadata={
+        "help": "distill's --stage2_lr (default: distill's default)"})
     teacher: str | None = dataclasses.field(default=None, metadata={
         "help": "the model to convert and distill from (folder or .gguf); default: the offline SmolLM2-135M-Instruct"})
     eval_dataset: str = dataclasses.field(default="builtin:heldout", metadata={"help": "in-domain held-out text"})
@@ -77,7 +82,9 @@ class BenchDistillOptions:
 #: options that decide a layout's distilled model (with its layer plan): a change retrains it
 TRAINING_KEYS = ("teacher", "dataset", "eval_dataset", "crossdomain_dataset", "minutes_per_model", "stage1_share",
                  "stage1_tokens", "stage2_tokens", "seq_len", "batch_size", "evaluations", "eval_tokens",
-                 "probe_steps", "packing", "mixed_precision", "agreement")
+                 "probe_steps", "packing", "mixed_precision", "agreement", "stage1_lr", "stage2_lr")
+#: the `distill` options a benchmark may set, with distill's defaults where it does not
+RECIPE_KEYS = ("stage1_lr", "stage2_lr")
 
 
 def _probe(run, steps: int) -> float:
@@ -125,6 +132,17 @@ def teacher_speed(source, data, options: BenchDistillOptions) -> float:
     return teacher_finetune_speed(source.model, blocks, options.probe_steps, options.mixed_precision == "bf16")
 
 
+def resolve_recipe(options: BenchDistillOptions) -> None:
+    """Fill the unset recipe options (`RECIPE_KEYS`) with distill's defaults, so that the saved settings name the
+    learning rates a model trained with and a later change of those defaults retrains it on `--resume`."""
+    from delta_attention.conversion.training.distill import DistillOptions
+
+    defaults = {field.name: field.default for field in dataclasses.fields(DistillOptions)}
+    for key in RECIPE_KEYS:
+        if getattr(options, key) is None:
+            setattr(options, key, defaults[key])
+
+
 def check_options(options: BenchDistillOptions) -> list[str]:
     """The layouts to run; one `ValueError` naming the flag for anything that cannot work (before any loading)."""
     layouts = [name.strip() for name in options.layouts.split(",") if name.strip()]
@@ -143,6 +161,9 @@ def check_run_options(options: BenchDistillOptions) -> None:
     from delta_attention.conversion.precision import check_cpu_mixed_precision
 
     check_cpu_mixed_precision(options.mixed_precision)
+    for key in RECIPE_KEYS:
+        if getattr(options, key) is not None and not getattr(options, key) > 0:
+            raise ValueError(f"--{key} must be a positive learning rate, got {getattr(options, key)}")
     if options.checkpoint_every_tokens < 0:
         raise ValueError(f"--checkpoint_every_tokens must be >= 0 (0 = only at the end of each stage), "
                          f"got {options.checkpoint_every_tokens}")
@@ -166,6 +187,7 @@ def run(options: BenchDistillOptions) -> int:
     data = DataOptions(dataset=options.dataset, seq_len=options.seq_len, packing=options.packing).validate()
     options.mixed_precision = resolve_mixed_precision(options.mixed_precision, "cpu")  # what the report records
     options.teacher = options.teacher or str(smollm2_gguf_path())  # what the settings record
+    resolve_recipe(options)
     folder = open_run_folder(Path(options.output_dir), "bench-distill", overwrite=options.overwrite,
                              resume=options.resume)
     out = folder.work
@@ -178,8 +200,9 @@ def run(options: BenchDistillOptions) -> int:
     teacher = kept(out / "teacher.json", as_saved({key: getattr(options, key) for key in (
         "teacher", "dataset", "seq_len", "packing", "probe_steps", "mixed_precision")}), measure_teacher, "teacher")
     report = {"threads": torch.get_num_threads(), "minutes_per_model": options.minutes_per_model,
-              "packing": options.packing, "mixed_precision": options.mixed_precision, "dataset": options.dataset,
-              "seq_len": options.seq_len, "batch_size": options.batch_size,
+              **{key: getattr(options, key) for key in RECIPE_KEYS}, "packing": options.packing,
+              "mixed_precision": options.mixed_precision, "dataset": options.dataset, "seq_len": options.seq_len,
+              "batch_size": options.batch_size,
               "teacher_finetune_tokens_per_s": teacher["teacher_finetune_tokens_per_s"], "models": {}}
     print(f"teacher full fine-tuning ({options.mixed_precision}): "
           f"{report['teacher_finetune_tokens_per_s']:.0f} tokens/s")
@@ -274,9 +297,11 @@ def distill_in_budget(folder: Path, converted: Path, teacher: str, data, trainin
     budget = stage_budgets(folder, converted, teacher, data, training, options, lora, resume)
     continuing = resume and (folder / "run").is_dir()
     started = time.perf_counter()
+    recipe = {key: getattr(options, key) for key in RECIPE_KEYS if getattr(options, key) is not None}
     distill = DistillOptions(student=str(converted), teacher=teacher, output_dir=str(folder / "run"),
                              overwrite=not continuing, stage1_tokens=budget["stage1_tokens"],
-                             stage2_tokens=budget["stage2_tokens"], eval_tokens=options.eval_tokens, **distill_options)
+                             stage2_tokens=budget["stage2_tokens"], eval_tokens=options.eval_tokens,
+                             **{**recipe, **distill_options})
     run_training_options = dataclasses.replace(training, num_evaluations=options.evaluations,  # per stage
                                                resume=continuing)
     results = run_distill(distill, data, run_training_options, lora)
@@ -298,8 +323,8 @@ def distill_in_budget(folder: Path, converted: Path, teacher: str, data, trainin
 def markdown(report: dict) -> str:
     lines = [f"Threads: {report['threads']}; {report['minutes_per_model']:g} min per model; sequence "
              f"{report['seq_len']}, batch {report['batch_size']}, packing {report.get('packing', 'plain')}, precision "
-             f"{report.get('mixed_precision', 'bf16')}, data `{report.get('dataset', 'builtin:train')}`. Teacher full "
-             "fine-tuning: "
+             f"{report.get('mixed_precision', 'bf16')}, data `{report.get('dataset', 'builtin:train')}`"
+             f"{_recipe_words(report)}. Teacher full fine-tuning: "
              f"{report['teacher_finetune_tokens_per_s']:.0f} tokens/s.", "",
              "| model | teacher ppl | untrained | after stage 1 | after stage 2 | vs teacher | cross-domain: teacher | "
              "after stage 1 | after stage 2 | vs teacher | stage 1 tok/s | stage 2 tok/s | tokens (1 + 2) | wall |",
@@ -317,6 +342,14 @@ def markdown(report: dict) -> str:
                       "of other domains and eras held out of training whole); the other perplexities on the held-out "
                       "documents of the training corpora."]
     return "\n".join(lines)
+
+
+def _recipe_words(report: dict) -> str:
+    """", learning rates 1e-2 (stage 1) and 3e-3 (stage 2)", or nothing for a report written before they were
+    recorded."""
+    if report.get("stage1_lr") is None:
+        return ""
+    return f", learning rates {report['stage1_lr']:g} (stage 1) and {report['stage2_lr']:g} (stage 2)"
 
 
 def _crossdomain_cells(results: dict) -> str:

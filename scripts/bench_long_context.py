@@ -184,6 +184,7 @@ def run(options: BenchLongContextOptions) -> int:
     options.mixed_precision = resolve_mixed_precision(options.mixed_precision, "cpu")  # what the report records
     teacher = options.teacher or str(smollm2_gguf_path())
     options.teacher = teacher  # what the settings record (a resumed run must use the same teacher)
+    bench_distill.resolve_recipe(options)
     folder = open_run_folder(Path(options.output_dir), "bench-long-context", overwrite=options.overwrite,
                              resume=options.resume)
     out = folder.work
@@ -192,7 +193,8 @@ def run(options: BenchLongContextOptions) -> int:
     texts = [text for group in evaluation_texts(options.eval_dataset) for text in group]
     report = {"threads": torch.get_num_threads(), "minutes_per_model": options.minutes_per_model,
               "attention_window": options.attention_window, "stage3_tokens": options.stage3_tokens,
-              "stage3_share": options.stage3_share, "stage3_seq_len": options.stage3_seq_len, "models": {}}
+              "stage3_share": options.stage3_share, "stage3_seq_len": options.stage3_seq_len,
+              **{key: getattr(options, key) for key in bench_distill.RECIPE_KEYS}, "models": {}}
 
     def measure_teacher() -> dict:
         speed = teacher_speed(source, data, options)

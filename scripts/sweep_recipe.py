@@ -46,6 +46,7 @@ VARIANTS = {
     "stage2-lr-3e-4": {"stage2_lr": 3e-4},  # the default before the sweep chose 3e-3
     "stage2-lr-1e-3": {"stage2_lr": 1e-3},
     "stage2-lr-1e-2": {"stage2_lr": 1e-2},
+    "stage2-new-params-lr-3e-3": {"stage2_new_params_lr": 3e-3},  # the new delta parameters' rate in stage 2 (1e-3)
     "lora-r8": {"lora_r": 8, "lora_alpha": 16},
     "lora-r32": {"lora_r": 32, "lora_alpha": 64},
     "lora-all-linear": {"lora_target_modules": "all-linear"},

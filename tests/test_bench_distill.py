@@ -1,6 +1,7 @@
 """The distillation benchmark's option checks and its sittings (`--resume`), and the resumable parts it shares with
 the long-context benchmark and the recipe sweep (the full benchmark runs for hours)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -27,6 +28,8 @@ def tiny_bench(folders, out, **overrides) -> BenchDistillOptions:
     ("layouts", " , ", "--layouts ' , ': unknown []"),
     ("checkpoint_every_tokens", -1, "--checkpoint_every_tokens must be >= 0"),
     ("mixed_precision", "fp8", "fp8"),
+    ("stage1_lr", 0.0, "--stage1_lr must be a positive learning rate, got 0.0"),
+    ("stage2_lr", -3e-3, "--stage2_lr must be a positive learning rate, got -0.003"),
 ])
 def test_bad_options_fail_before_anything_is_written(field, value, message, tmp_path):
     options = BenchDistillOptions(output_dir=str(tmp_path / "bench"), **{field: value})
@@ -78,7 +81,27 @@ def test_resume_reuses_finished_layouts_and_continues_an_interrupted_one(folders
     # new training settings: the layout starts afresh
     assert bench.run(tiny_bench(folders, out, resume=True, stage2_tokens=512)) == 0
     assert trained == ["stage 1 (attention transfer)", "stage 2 (logit distillation)"]
-    assert json.loads((out / "results.json").read_text())["models"]["all-delta"]["stage2"]["tokens"] == 512
+    report = json.loads((out / "results.json").read_text())
+    assert report["models"]["all-delta"]["stage2"]["tokens"] == 512
+    assert report["models"]["all-delta"]["stage2"]["lr"] == report["stage2_lr"] == pipeline.DistillOptions.stage2_lr
+
+    # a change of distill's default learning rates retrains as well: the settings hold the rates a model trained with
+    trained.clear()
+    lr_field = next(field for field in dataclasses.fields(pipeline.DistillOptions) if field.name == "stage2_lr")
+    monkeypatch.setattr(lr_field, "default", 1e-4)
+    assert bench.run(tiny_bench(folders, out, resume=True, stage2_tokens=512)) == 0
+    assert trained == ["stage 1 (attention transfer)", "stage 2 (logit distillation)"]
+    report = json.loads((out / "results.json").read_text())
+    assert report["models"]["all-delta"]["stage2"]["lr"] == report["stage2_lr"] == 1e-4
+    assert report["models"]["all-delta"]["stage1"]["lr"] == report["stage1_lr"] == pipeline.DistillOptions.stage1_lr
+
+    # and a recipe given on the command line reaches distill and the report
+    trained.clear()
+    assert bench.run(tiny_bench(folders, out, resume=True, stage2_tokens=512, stage1_lr=3e-3, stage2_lr=3e-4)) == 0
+    assert trained == ["stage 1 (attention transfer)", "stage 2 (logit distillation)"]
+    results = json.loads((out / "results.json").read_text())["models"]["all-delta"]
+    assert (results["stage1"]["lr"], results["stage2"]["lr"]) == (3e-3, 3e-4)
+    assert "learning rates 0.003 (stage 1) and 0.0003 (stage 2)" in (out / "results.md").read_text()
 
 
 def test_a_part_folder_the_benchmark_did_not_write_is_refused_and_left_alone(tmp_path):
