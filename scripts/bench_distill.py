@@ -79,12 +79,12 @@ class BenchDistillOptions:
         "help": "replace an existing --output_dir (a benchmark folder) once the new benchmark is done"})
 
 
+#: the `distill` options a benchmark may set, with distill's defaults where it does not
+RECIPE_KEYS = ("stage1_lr", "stage2_lr")
 #: options that decide a layout's distilled model (with its layer plan): a change retrains it
 TRAINING_KEYS = ("teacher", "dataset", "eval_dataset", "crossdomain_dataset", "minutes_per_model", "stage1_share",
                  "stage1_tokens", "stage2_tokens", "seq_len", "batch_size", "evaluations", "eval_tokens",
-                 "probe_steps", "packing", "mixed_precision", "agreement", "stage1_lr", "stage2_lr")
-#: the `distill` options a benchmark may set, with distill's defaults where it does not
-RECIPE_KEYS = ("stage1_lr", "stage2_lr")
+                 "probe_steps", "packing", "mixed_precision", "agreement") + RECIPE_KEYS
 
 
 def _probe(run, steps: int) -> float:
