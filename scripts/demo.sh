@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The main job, end to end on a fresh machine: set up (venv + offline assets), convert the real SmolLM2-135M
-# GGUF to a hybrid delta-attention model (the quarter of the layers whose bypass costs most perplexity keep
-# softmax attention; calibrated init), then print held-out perplexity of the original and the converted model
-# and a few generated sentences from each.
+# GGUF to a constant-memory hybrid delta-attention model (the quarter of the layers whose bypass costs most
+# perplexity keep softmax attention over a sliding window of 1024 tokens; calibrated init), then print held-out
+# perplexity of the original and the converted model and a few generated sentences from each.
 # About 7 minutes on 2 CPU cores after set-up. Usage: bash scripts/demo.sh [OUTPUT_DIR]
 # DELTA_ATTENTION_VENV=path uses an existing environment instead of running scripts/setup.sh.
 set -euo pipefail
@@ -19,5 +19,5 @@ OUT=${1:-$CACHE/demo/smollm2-135m-delta-hybrid}
 GGUF=$("$BIN/python" -c "from delta_attention.conversion.data.assets import smollm2_gguf_path; print(smollm2_gguf_path())")
 
 "$BIN/delta-attention" convert "$GGUF" --out "$OUT" --overwrite \
-    --keep-attention auto:0.25 --init calibrated --calibration-steps 40
+    --keep-attention auto:0.25 --attention-window 1024 --init calibrated --calibration-steps 40
 "$BIN/python" -m delta_attention.scripts.demo "$OUT"

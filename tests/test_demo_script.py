@@ -42,6 +42,7 @@ def test_the_demo_script_converts_the_offline_gguf_and_runs_the_demo_on_it(tmp_p
     options, settings = parse_options(convert_script.Options, calls[1][2:], "delta-attention convert")
     assert Path(options.source) == Path(smollm2_gguf) and Path(options.out) == out and options.overwrite
     assert settings.keep_attention == "auto:0.25" and settings.init == "calibrated"
+    assert settings.attention_window == 1024  # the constant-memory layout: the kept softmax layers slide
 
     assert calls[2][2] == "delta_attention.scripts.demo"
     (demo,) = parse_options(demo_script.Options, calls[2][3:], "demo")
