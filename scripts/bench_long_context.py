@@ -43,8 +43,8 @@ from .resumable import RESULT_FILE, as_saved, kept, read_json, start_part, write
 VARIANTS = {  # name -> ConversionSettings fields (the attention window is filled in from the options)
     "hybrid": {"keep_attention": "auto:0.25"},
     "hybrid-sliding": {"keep_attention": "auto:0.25", "attention_window": None},
-    "all-delta": {"keep_attention": "0"},
-    "all-delta-gqa": {"keep_attention": "0", "gqa_state": True},
+    "all-delta": {"keep_attention": "none"},  # not "0": that is a layer list, keeping layer 0's growing KV cache
+    "all-delta-gqa": {"keep_attention": "none", "gqa_state": True},
 }
 
 

@@ -6,7 +6,9 @@ import pytest
 
 from conftest import Killed, training_killed_at
 from test_bench_distill import tiny_bench as tiny_distill_bench
-from delta_attention.scripts.bench_long_context import BenchLongContextOptions, check_options, markdown
+from delta_attention.conversion.converter.layer_plan import parse_keep
+from delta_attention.scripts.bench_long_context import (BenchLongContextOptions, check_options, conversion_settings,
+                                                        markdown)
 
 
 def _measured(perplexities, passkey, decode):
@@ -91,6 +93,18 @@ def test_bad_options_fail_before_any_work(field, value, message, tmp_path):
 
 def test_default_options_run_all_four_variants(tmp_path):
     assert check_options(BenchLongContextOptions(output_dir=str(tmp_path / "bench"))) == ["hybrid", "hybrid-sliding", "all-delta", "all-delta-gqa"]
+
+
+@pytest.mark.parametrize("name, kept", [("hybrid", None), ("hybrid-sliding", None), ("all-delta", ()),
+                                        ("all-delta-gqa", ())])
+def test_all_delta_variants_keep_no_softmax_layer(name, kept):
+    """The all-delta variants must have a constant-size cache: no layer keeps softmax attention (SmolLM2: 30 layers);
+    the hybrids rank a quarter of them (8) at conversion."""
+    spec = parse_keep(conversion_settings(BenchLongContextOptions(), name)["keep_attention"], 30)
+    if kept is None:
+        assert spec.auto_count == 8 and not spec.layers
+    else:
+        assert spec.layers == kept and spec.auto_count is None
 
 
 def test_synthesized_cache_fits_a_model_with_gqa_shared_state():
