@@ -8,7 +8,7 @@ time-budget logic (optionally with the long-context stage 3), then measured besi
 - held-out perplexity at `--seq_len` context, in-domain and cross-domain, from the distillation report;
 - perplexity per position bucket over one long held-out document (`evaluate`'s `long_ppl`), read whole and in
   independent windows of `--long_reset_window` tokens (whole / reset per bucket: does the long context help?);
-- passkey accuracy per prompt length (over `--passkey_depths`);
+- passkey accuracy per prompt length (over `--passkey_depths`) and per needle depth;
 - cache bytes and decode ms/token after `--decode_contexts` tokens of context (prefilled in pieces).
 
 Writes `results.json`, `results.md` and `long_context.png` under `--output_dir`. The full settings take hours on 2
@@ -141,17 +141,20 @@ def stage3_budget(folder: Path, converted: Path, teacher: str, data, training, o
 
 def measure(model, tokenizer, texts: list[str], options: BenchLongContextOptions,
             max_context: int | None = None) -> dict:
-    """Long-document perplexity by bucket, passkey accuracy per length, cache bytes and decode ms/token."""
+    """Long-document perplexity by bucket, passkey accuracy per length (and per needle depth), cache bytes and decode
+    ms/token."""
     from delta_attention.conversion.evaluation.long_context import long_perplexity, parse_buckets, parse_depths
-    from delta_attention.conversion.evaluation.tasks import decode_speed, passkey_accuracy
+    from delta_attention.conversion.evaluation.tasks import decode_speed, mean_over_depths, passkey_grid
 
     limit = max_context or max(_ints(options.decode_contexts) + _ints(options.passkey_lengths))
+    grid = passkey_grid(model, tokenizer, [n for n in _ints(options.passkey_lengths) if n <= limit],
+                        parse_depths(options.passkey_depths))
     return {
         "long_ppl": long_perplexity(model, tokenizer, texts, options.long_max_tokens,
                                     parse_buckets(options.long_buckets), options.long_piece,
                                     reset_window=options.long_reset_window),
-        "passkey": passkey_accuracy(model, tokenizer, [n for n in _ints(options.passkey_lengths) if n <= limit],
-                                    parse_depths(options.passkey_depths)),
+        "passkey": mean_over_depths(grid),
+        "passkey_by_depth": grid,
         "decode": [decode_speed(model, context, options.decode_new_tokens)
                    for context in _ints(options.decode_contexts) if context <= limit],
     }
@@ -314,7 +317,24 @@ def markdown(report: dict) -> str:
         cells += [f"{_size(decode[c]['cache_bytes'])} / {decode[c]['ms_per_token']:.1f}" if c in decode else "-"
                   for c in contexts]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if any("passkey_by_depth" in m for _, _, m in rows):  # results saved before it was recorded have none
+        lines += passkey_depth_table(rows, lengths)
     return "\n".join(lines)
+
+
+def passkey_depth_table(rows: list[tuple], lengths: list[int]) -> list[str]:
+    """Markdown lines: passkey hits per length and needle depth (0 = the needle first, 1 = last), one row per model;
+    a needle at depth d of an n-token prompt lies about (1 - d) n tokens back, which places it inside or beyond a
+    sliding window."""
+    grids = [(name, {int(n): {float(d): v for d, v in row.items()} for n, row in m.get("passkey_by_depth", {}).items()})
+             for name, _, m in rows]
+    columns = [(n, d) for n in lengths for d in sorted({d for _, g in grids for d in g.get(n, {})})]
+    lines = ["", "Passkey by prompt length and needle depth (0 = at the start, 1 = just before the question):", "",
+             "| model | " + " | ".join(f"{n:,} @ {d:g}" for n, d in columns) + " |", "|---" * (1 + len(columns)) + "|"]
+    for name, grid in grids:
+        cells = [f"{grid[n][d]:.0%}" if d in grid.get(n, {}) else "-" for n, d in columns]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def plot(report: dict, path: Path) -> None:

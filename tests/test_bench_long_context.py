@@ -46,6 +46,13 @@ def test_tables_put_each_figure_in_its_column():
     # second table: passkey per length (a length not measured is "-"), then cache / ms per token per context
     assert "| teacher | 100% | - | 1.0 MiB / 40.0 | - |" in lines
     assert "| hybrid-sliding | 50% | 0% | 3.0 MiB / 30.0 | 3.0 MiB / 31.0 |" in lines
+    assert not any("@" in line for line in lines)  # no depth table from results that have no depths
+    # by depth (keys as JSON reads them back); a model measured before depths were recorded gets "-"
+    model["long_context"]["passkey_by_depth"] = {"1024": {"0.1": 0.0, "0.9": 1.0}, "4096": {"0.1": 0.0, "0.9": 0.0}}
+    lines = markdown(report).splitlines()
+    assert "| model | 1,024 @ 0.1 | 1,024 @ 0.9 | 4,096 @ 0.1 | 4,096 @ 0.9 |" in lines
+    assert "| teacher | - | - | - | - |" in lines
+    assert "| hybrid-sliding | 0% | 100% | 0% | 0% |" in lines
 
 
 def test_whole_over_reset_table_when_the_reset_reading_ran():
@@ -210,6 +217,10 @@ def test_resume_reuses_finished_parts_and_continues_an_interrupted_variant(folde
     assert measured == ["LlamaForCausalLM", "DeltaForCausalLM"] and len(trained) == 2
     report = json.loads((straight / "results.json").read_text())
     assert report["models"]["all-delta"]["stage2"]["tokens"] == 768
+    by_depth = report["models"]["all-delta"]["long_context"]["passkey_by_depth"]
+    assert list(by_depth) == ["96"] and list(by_depth["96"]) == ["0.5"]
+    assert report["models"]["all-delta"]["long_context"]["passkey"] == {"96": by_depth["96"]["0.5"]}
+    assert "96 @ 0.5" in (straight / "results.md").read_text()
     assert (straight / "results.md").is_file() and (straight / "all-delta" / "result.json").is_file()
 
     # an existing benchmark folder is neither reused nor replaced without being asked
