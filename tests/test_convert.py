@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
@@ -161,6 +162,19 @@ def test_keep_attention_forms():
                          ("auto:abc", "not a ratio")]:
         with pytest.raises(ValueError, match=message if message != "[0, 1]" else r"\[0, 1\]"):
             parse_keep(bad, 6)
+
+
+def test_a_bare_zero_or_one_says_it_keeps_that_layer(caplog):
+    """`--keep-attention 0` keeps layer 0, which is easily meant as 'none': the parse says so and names the fix."""
+    with caplog.at_level(logging.WARNING, logger="delta_attention.conversion.converter.layer_plan"):
+        assert parse_keep("0", 6).layers == (0,)
+        assert parse_keep("1", 6).layers == (1,)
+        for quiet in ("none", "0.0", "5", "0,1", [0], "all", "1.0"):
+            parse_keep(quiet, 6)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2
+    assert "'0' keeps layer 0" in messages[0] and "pass 'none'" in messages[0]
+    assert "'1' keeps layer 1" in messages[1] and "pass 'all'" in messages[1]
 
 
 def test_auto_keeps_the_costliest_layers_and_layer_zero():

@@ -20,11 +20,14 @@ kept layers keep their source kind, and source sliding layers their source windo
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 from delta_attention.modeling.configuration_delta import DELTA_LAYER as DELTA
 
 SLIDING = "sliding_attention"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -55,11 +58,19 @@ def uniform_layers(count: int, num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({(i * num_layers) // count for i in range(count)})) if count else ()
 
 
+# A bare `0` or `1` reads as one layer index, but is easily meant as a count or ratio: say what it does.
+_AMBIGUOUS_SINGLE_INDEX = {
+    "0": "no softmax layer at all pass 'none' (or the ratio 0.0)",
+    "1": "every layer kept pass 'all' (or the ratio 1.0)",
+}
+
+
 def parse_keep(spec: str | list | tuple | None, num_layers: int) -> KeepSpec:
     """Parse a `--keep-attention` value for a model of `num_layers` layers; clear `ValueError` when wrong."""
     if spec is None:
         spec = "none"
-    if isinstance(spec, (list, tuple)):
+    explicit_list = isinstance(spec, (list, tuple))
+    if explicit_list:
         spec = ",".join(str(int(i)) for i in spec)
     text = str(spec).strip()
     lowered = text.lower()
@@ -88,6 +99,9 @@ def parse_keep(spec: str | list | tuple | None, num_layers: int) -> KeepSpec:
                 f"layers (0..{num_layers - 1})"
             )
         indices.append(index)
+    if not explicit_list and text in _AMBIGUOUS_SINGLE_INDEX:
+        logger.warning("--keep-attention %r keeps layer %s as softmax attention (a single index is a list of one "
+                       "layer); for %s", text, text, _AMBIGUOUS_SINGLE_INDEX[text])
     return KeepSpec(text, layers=tuple(sorted(set(indices))))
 
 
