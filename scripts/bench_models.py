@@ -1,8 +1,8 @@
 """Model benchmarks: decode ms/token and cache bytes at long contexts, prefill tokens/s, and a 1M-token prompt.
 
-Three SmolLM2-135M-shaped models (30 layers, hidden 576, 9 heads, 3 KV heads, intermediate 1536, vocab 49152,
-random weights): all-delta, hybrid (every 4th layer softmax, layers 0, 4, ..., 28) and the same-size
-`LlamaForCausalLM` with sdpa. For decode the caches are synthesized: random tensors of the right shapes for a
+SmolLM2-135M-shaped models (30 layers, hidden 576, 9 heads, 3 KV heads, intermediate 1536, vocab 49152, random
+weights): all-delta, hybrid (every 4th layer softmax, layers 0, 4, ..., 28) and the same-size `LlamaForCausalLM`
+with sdpa by default (`MODELS` lists two more all-delta layouts with fewer weights). For decode the caches are synthesized: random tensors of the right shapes for a
 given context (a real 64k-token prefill of the Llama would dominate the run), then real decode steps on top.
 """
 
@@ -29,23 +29,42 @@ SMOLLM2_SHAPE = dict(
 )
 
 
-def build_models(dtype: torch.dtype, shape: dict | None = None, which=("delta", "hybrid", "llama")) -> dict:
-    """The models by name, eval mode, random weights of a fixed seed."""
+#: the models `build_models` knows, in the order they are built and timed: "delta-gqa" is all-delta with one state
+#: per KV head (`convert --gqa_state`: k and v per KV head, as Llama has them), "delta-gqa-ungated" that without the
+#: output gate (`--no_output_gate`), the all-delta layout whose weights are Llama's plus a few thousand per layer
+MODELS = ("delta", "delta-gqa", "delta-gqa-ungated", "hybrid", "llama")
+DEFAULT_MODELS = ("delta", "hybrid", "llama")
+
+
+def build_models(dtype: torch.dtype, shape: dict | None = None, which=DEFAULT_MODELS) -> dict:
+    """The models of `which` (names from `MODELS`) by name, eval mode, random weights of a fixed seed."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from delta_attention import DeltaConfig, DeltaForCausalLM
 
+    unknown = sorted(set(which) - set(MODELS))
+    if unknown:
+        raise ValueError(f"unknown benchmark model(s) {unknown}; choose from {list(MODELS)}")
     shape = dict(SMOLLM2_SHAPE if shape is None else shape)
     layers = shape["num_hidden_layers"]
+    hybrid_kinds = [FULL_ATTENTION_LAYER if i % 4 == 0 else DELTA_LAYER for i in range(layers)]
+    configs = {
+        "delta": lambda: DeltaConfig(**shape, layer_types=[DELTA_LAYER] * layers),
+        "delta-gqa": lambda: DeltaConfig(**shape, layer_types=[DELTA_LAYER] * layers,
+                                         linear_state_sharing="kv_head"),
+        "delta-gqa-ungated": lambda: DeltaConfig(**shape, layer_types=[DELTA_LAYER] * layers,
+                                                 linear_state_sharing="kv_head", linear_output_gate=False),
+        "hybrid": lambda: DeltaConfig(**shape, layer_types=hybrid_kinds),
+    }
     models = {}
     torch.manual_seed(0)
-    if "delta" in which:
-        models["delta"] = DeltaForCausalLM(DeltaConfig(**shape, layer_types=[DELTA_LAYER] * layers))
-    if "hybrid" in which:
-        kinds = [FULL_ATTENTION_LAYER if i % 4 == 0 else DELTA_LAYER for i in range(layers)]
-        models["hybrid"] = DeltaForCausalLM(DeltaConfig(**shape, layer_types=kinds))
-    if "llama" in which:
-        models["llama"] = LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="sdpa"))
+    for name in MODELS:
+        if name not in which:
+            continue
+        if name == "llama":
+            models[name] = LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="sdpa"))
+        else:
+            models[name] = DeltaForCausalLM(configs[name]())
     return {name: model.to(dtype).eval() for name, model in models.items()}
 
 
@@ -127,11 +146,13 @@ def run_decode_benchmark(models: dict, contexts, steps: int, log=print, rounds: 
             size = cache_bytes(cache) // models["delta"].config.num_hidden_layers
             rows.append({"model": "one delta layer", "context": context, "ms_per_token": ms, "cache_bytes": size})
             log(f"decode {'one delta layer':20s} context {context:6d}: {ms:8.3f} ms/token, cache {size / 2**20:8.2f} MiB")
-    # (model, cache): "static" a StaticCache; "delta+packed" and "hybrid+packed" (`with_packed_weights`) the same
-    # models with packed weights, beside them
-    variants = [("delta", None), ("delta+packed", None), ("hybrid", None), ("hybrid", "static"),
-                ("hybrid+packed", None), ("llama", None), ("llama", "static")]
-    variants = [(name, kind) for name, kind in variants if name in models]
+    # (model, cache) in the models' order: "static" a StaticCache, for the models with softmax layers; the "+packed"
+    # copies (`with_packed_weights`) beside their models
+    variants = []
+    for name, model in models.items():
+        variants.append((name, None))
+        if name in ("hybrid", "llama"):
+            variants.append((name, "static"))
     for context in contexts:
         # every model's steps in `rounds` turns, one model after another (a warm-up step at each turn), so that a
         # slower or faster spell of a shared machine falls on all of them alike

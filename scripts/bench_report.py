@@ -114,6 +114,14 @@ def target_checks(results: dict) -> list[str]:
                   f"{100 * spread:.0f}% spread", "within 15%", spread <= 0.15)
             sizes = {r["cache_bytes"] for r in delta}
             check("all-delta cache bytes constant", _fmt_bytes(max(sizes)), "constant", len(sizes) == 1)
+        first = contexts[0] if contexts else None
+        static = cell.get(("llama+StaticCache", first))
+        for model in dict.fromkeys(r["model"] for r in decode["rows"]):
+            if static and (model.startswith("delta") or model.startswith("hybrid")) and "StaticCache" not in model:
+                ratio = cell[(model, first)]["ms_per_token"] / static["ms_per_token"]
+                goal = 1.1 if model.startswith("hybrid") else 1.0
+                check(f"{model} decode at {_tokens(first)} vs llama+StaticCache", f"{ratio:.2f}x its time",
+                      f"<= {goal}x", ratio <= goal)
         last = contexts[-1] if contexts else None
         for llama in ("llama", "llama+StaticCache"):
             if ("delta", last) in cell and (llama, last) in cell:

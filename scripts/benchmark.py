@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from .bench_kernels import run_kernel_benchmark
-from .bench_models import (build_models, run_decode_benchmark, run_long_prompt_benchmark, run_prefill_benchmark,
-                           with_packed_weights)
+from .bench_models import (DEFAULT_MODELS, MODELS, build_models, run_decode_benchmark, run_long_prompt_benchmark,
+                           run_prefill_benchmark, with_packed_weights)
 from .bench_report import markdown, plot
 
 PARTS = ("kernel", "decode", "prefill", "long", "speculative")  # speculative: bench_speculative.py, not by default
@@ -42,6 +42,9 @@ class Options:
     peer_budget_seconds: float = field(
         default=60.0, metadata={"help": "skip a peer's longer T once one call would take more than about this"}
     )
+    models: str = field(default=",".join(DEFAULT_MODELS), metadata={
+        "help": f"models for decode/prefill, a comma-separated subset of {MODELS} (delta-gqa: one state per KV "
+                f"head; delta-gqa-ungated: that without the output gate)"})
     decode_contexts: str = field(default="1024,4096,16384,65536", metadata={"help": "decode context lengths"})
     decode_steps: int = field(default=8, metadata={"help": "timed decode steps per context (after 2 warm-up)"})
     prefill_lengths: str = field(default="1024,4096,16384", metadata={"help": "prefill prompt lengths"})
@@ -80,6 +83,9 @@ def run(options: Options) -> int:
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         raise ValueError(f"unknown part(s) {unknown}; choose from {list(PARTS)}")
+    unknown = sorted({m.strip() for m in options.models.split(",") if m.strip()} - set(MODELS))
+    if unknown:
+        raise ValueError(f"unknown model(s) {unknown} in --models; choose from {list(MODELS)}")
     if options.dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {options.dtype!r}")
     threads_before = torch.get_num_threads()
@@ -124,7 +130,7 @@ def _run(options: Options, parts: list[str]) -> int:
                                                  peer_budget_seconds=options.peer_budget_seconds,
                                                  min_seconds=0.0 if options.smoke else 1.0)
     if "decode" in parts or "prefill" in parts:
-        models = build_models(dtype, shape)
+        models = build_models(dtype, shape, which=[m.strip() for m in options.models.split(",") if m.strip()])
         if "decode" in parts:
             decoded = with_packed_weights(models, log) if options.packed and dtype == torch.float32 else models
             results["decode"] = run_decode_benchmark(decoded, contexts, options.decode_steps, log=log)

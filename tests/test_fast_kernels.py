@@ -439,3 +439,46 @@ def test_broken_fla_install_is_reported_once_and_falls_back(monkeypatch, caplog)
     assert delta_fla.import_failure(ModuleNotFoundError("No module named 'fla'", name="fla")) == "fla not installed"
     assert delta_fla.import_failure(ModuleNotFoundError("No module named 'triton'", name="triton")) == (
         "fla import failed: ModuleNotFoundError: No module named 'triton'")
+
+
+def test_benchmark_builds_the_lean_all_delta_layouts_beside_llama():
+    """`benchmark --models`: "delta-gqa" (one state per KV head) and "delta-gqa-ungated" (also no output gate) have
+    Llama's q/k/v/o shapes, so the ungated one reads Llama's weights plus a few per layer; their states are a third
+    of all-delta's (3 of 9 heads' states at SmolLM2's shape, 1 of 2 here); a name outside `MODELS` is refused."""
+    from delta_attention.scripts import bench_models, bench_report
+    from delta_attention.scripts.benchmark import SMOKE_SHAPE, Options, run
+
+    which = ("delta", "delta-gqa", "delta-gqa-ungated", "llama")
+    models = bench_models.build_models(torch.float32, SMOKE_SHAPE, which=which)
+    assert list(models) == list(which)
+    counts = {name: sum(p.numel() for p in model.parameters()) for name, model in models.items()}
+    llama_attention = dict(models["llama"].model.layers[0].self_attn.named_parameters())
+    for name in ("delta-gqa", "delta-gqa-ungated"):
+        attention = dict(models[name].model.layers[0].self_attn.named_parameters())
+        for projection in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            assert attention[f"{projection}.weight"].shape == llama_attention[f"{projection}.weight"].shape
+    assert any(n.endswith("self_attn.g_proj.weight") for n, _ in models["delta-gqa"].named_parameters())
+    assert not any("g_proj" in n for n, _ in models["delta-gqa-ungated"].named_parameters())
+    # per layer beyond Llama: the conv (64 + 32 + 32 channels x 4), b_proj (beta: 2 x 64 and a bias of 2), a_proj
+    # (decay: 2 x 64), dt_bias and A_log (2 each), o_norm (64)
+    extra = 128 * 4 + 2 * 64 + 2 + 2 * 64 + 2 + 2 + 64
+    assert counts["delta-gqa-ungated"] - counts["llama"] == SMOKE_SHAPE["num_hidden_layers"] * extra
+    assert counts["delta"] > counts["delta-gqa"] > counts["delta-gqa-ungated"]
+
+    decode = bench_models.run_decode_benchmark(models, [16], steps=2, rounds=2, log=lambda *_: None)
+    rows = {row["model"]: row for row in decode["rows"]}
+    assert list(rows) == ["one delta layer", "delta", "delta-gqa", "delta-gqa-ungated", "llama", "llama+StaticCache"]
+    assert rows["delta-gqa"]["cache_bytes"] == rows["delta-gqa-ungated"]["cache_bytes"]
+    states = 4 * SMOKE_SHAPE["num_hidden_layers"] * 16 * 16  # float32 [1, heads, 16, 16] per layer
+    conv = 4 * SMOKE_SHAPE["num_hidden_layers"] * 4  # float32 [1, channels, 4] per layer
+    assert rows["delta"]["cache_bytes"] == states * 4 + conv * (3 * 64)
+    assert rows["delta-gqa"]["cache_bytes"] == states * 2 + conv * 128
+
+    checks = "\n".join(bench_report.target_checks({"decode": decode}))
+    for name in ("delta", "delta-gqa", "delta-gqa-ungated"):
+        ratio = rows[name]["ms_per_token"] / rows["llama+StaticCache"]["ms_per_token"]
+        assert f"{name} decode at 16 vs llama+StaticCache: {ratio:.2f}x its time (target <= 1.0x)" in checks
+    with pytest.raises(ValueError, match=r"unknown model\(s\) \['delta-lean'\] in --models; choose from"):
+        run(Options(smoke=True, parts="decode", models="delta,delta-lean"))
+    with pytest.raises(ValueError, match=r"unknown benchmark model\(s\) \['gpt'\]"):
+        bench_models.build_models(torch.float32, SMOKE_SHAPE, which=["gpt"])
