@@ -2,8 +2,9 @@
 
 SmolLM2-135M-shaped models (30 layers, hidden 576, 9 heads, 3 KV heads, intermediate 1536, vocab 49152, random
 weights): all-delta, hybrid (every 4th layer softmax, layers 0, 4, ..., 28) and the same-size `LlamaForCausalLM`
-with sdpa by default (`MODELS` lists two more all-delta layouts with fewer weights). For decode the caches are synthesized: random tensors of the right shapes for a
-given context (a real 64k-token prefill of the Llama would dominate the run), then real decode steps on top.
+with sdpa by default (`MODELS` lists two more all-delta layouts with fewer weights). For decode the caches are
+synthesized: random tensors of the right shapes for a given context (a real 64k-token prefill of the Llama would
+dominate the run), then real decode steps on top.
 """
 
 from __future__ import annotations

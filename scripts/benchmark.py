@@ -62,6 +62,10 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def _environment() -> dict:
     import transformers
 
@@ -83,7 +87,7 @@ def run(options: Options) -> int:
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         raise ValueError(f"unknown part(s) {unknown}; choose from {list(PARTS)}")
-    unknown = sorted({m.strip() for m in options.models.split(",") if m.strip()} - set(MODELS))
+    unknown = sorted(set(_names(options.models)) - set(MODELS))
     if unknown:
         raise ValueError(f"unknown model(s) {unknown} in --models; choose from {list(MODELS)}")
     if options.dtype not in ("float32", "bfloat16"):
@@ -130,7 +134,7 @@ def _run(options: Options, parts: list[str]) -> int:
                                                  peer_budget_seconds=options.peer_budget_seconds,
                                                  min_seconds=0.0 if options.smoke else 1.0)
     if "decode" in parts or "prefill" in parts:
-        models = build_models(dtype, shape, which=[m.strip() for m in options.models.split(",") if m.strip()])
+        models = build_models(dtype, shape, which=_names(options.models))
         if "decode" in parts:
             decoded = with_packed_weights(models, log) if options.packed and dtype == torch.float32 else models
             results["decode"] = run_decode_benchmark(decoded, contexts, options.decode_steps, log=log)
