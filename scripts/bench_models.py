@@ -48,14 +48,12 @@ def build_models(dtype: torch.dtype, shape: dict | None = None, which=DEFAULT_MO
         raise ValueError(f"unknown benchmark model(s) {unknown}; choose from {list(MODELS)}")
     shape = dict(SMOLLM2_SHAPE if shape is None else shape)
     layers = shape["num_hidden_layers"]
-    hybrid_kinds = [FULL_ATTENTION_LAYER if i % 4 == 0 else DELTA_LAYER for i in range(layers)]
-    configs = {
-        "delta": lambda: DeltaConfig(**shape, layer_types=[DELTA_LAYER] * layers),
-        "delta-gqa": lambda: DeltaConfig(**shape, layer_types=[DELTA_LAYER] * layers,
-                                         linear_state_sharing="kv_head"),
-        "delta-gqa-ungated": lambda: DeltaConfig(**shape, layer_types=[DELTA_LAYER] * layers,
-                                                 linear_state_sharing="kv_head", linear_output_gate=False),
-        "hybrid": lambda: DeltaConfig(**shape, layer_types=hybrid_kinds),
+    all_delta = [DELTA_LAYER] * layers
+    delta_options = {  # DeltaConfig fields beyond the shape, per delta model
+        "delta": dict(layer_types=all_delta),
+        "delta-gqa": dict(layer_types=all_delta, linear_state_sharing="kv_head"),
+        "delta-gqa-ungated": dict(layer_types=all_delta, linear_state_sharing="kv_head", linear_output_gate=False),
+        "hybrid": dict(layer_types=[FULL_ATTENTION_LAYER if i % 4 == 0 else DELTA_LAYER for i in range(layers)]),
     }
     models = {}
     torch.manual_seed(0)
@@ -65,7 +63,7 @@ def build_models(dtype: torch.dtype, shape: dict | None = None, which=DEFAULT_MO
         if name == "llama":
             models[name] = LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="sdpa"))
         else:
-            models[name] = DeltaForCausalLM(configs[name]())
+            models[name] = DeltaForCausalLM(DeltaConfig(**shape, **delta_options[name]))
     return {name: model.to(dtype).eval() for name, model in models.items()}
 
 
