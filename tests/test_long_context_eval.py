@@ -14,7 +14,7 @@ from delta_attention.conversion.evaluation.long_context import (bucket_means, fu
                                                                  long_perplexity, parse_buckets, token_nlls)
 from delta_attention.conversion.evaluation.peak_memory import peak_memory
 from delta_attention.conversion.evaluation.report import EvaluateOptions, run_evaluate
-from delta_attention.conversion.evaluation.tasks import PASSKEY_FILLER, passkey_prompt
+from delta_attention.conversion.evaluation.tasks import PASSKEY_FILLER, greedy_continuation, passkey_prompt
 from delta_attention.scripts.cli import main as cli_main
 
 TEXT = " ".join(f"w{(i * 13) % 90}" for i in range(200))  # 200 tokens of the tiny tokenizer
@@ -153,6 +153,22 @@ def test_passkey_prompt_refuses_a_bad_depth_or_a_length_without_room():
         passkey_prompt(CharTokenizer(), 500, 1.5, 12345)
     with pytest.raises(ValueError, match="a passkey prompt of 40 tokens cannot hold the needle and the question"):
         passkey_prompt(CharTokenizer(), 40, 0.5, 12345)
+
+
+@pytest.mark.parametrize("kind", ["hybrid with a sliding layer", "llama"])
+def test_greedy_continuation_reads_a_long_prompt_in_pieces_and_answers_as_one_generate(kind):
+    """A 64k-token passkey prompt must not go through one forward (a sliding layer's mask would be [n, n])."""
+    model = (tiny_delta_model(seed=3, num_hidden_layers=4, layer_types=HYBRID_LAYERS, sliding_window=6).eval()
+             if kind != "llama" else tiny_llama(3))
+    ids = torch.randint(3, 97, (1, 50), generator=torch.Generator().manual_seed(1))
+    widths = []
+    hook = model.model.register_forward_pre_hook(lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                                 with_kwargs=True)
+    pieces = greedy_continuation(model, ids, 8, pad_token_id=0, prefill_piece=16)
+    hook.remove()
+    assert widths[:4] == [16, 16, 16, 1] and max(widths) == 16  # 49 prompt tokens in pieces, then one per step
+    whole = greedy_continuation(model, ids, 8, pad_token_id=0, prefill_piece=1000)  # one generate over the prompt
+    assert len(whole) >= 1 and pieces.tolist() == whole.tolist()
 
 
 def test_peak_memory_sees_an_allocation():

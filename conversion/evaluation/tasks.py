@@ -38,10 +38,40 @@ def passkey_prompt(tokenizer, length: int, depth: float, passkey: int) -> torch.
     return torch.tensor(filler[:cut] + needle_ids + filler[cut:] + question_ids, dtype=torch.long)
 
 
+#: tokens per forward when a long prompt is read into the cache before generating or timing
+PREFILL_PIECE = 4096
+
+
+@torch.no_grad()
+def prefill(model, ids: torch.Tensor, piece: int = PREFILL_PIECE):
+    """Read `ids` [1, n] into a fresh cache in forward calls of at most `piece` tokens; the last call's output.
+
+    Memory stays that of a `piece`-token forward (a sliding-window layer's mask is [piece, window + piece], not
+    [n, n]); only the last position's logits are computed."""
+    out, cache = None, None
+    for start in range(0, ids.shape[1], piece):
+        out = model(input_ids=ids[:, start : start + piece], cache=cache, use_cache=True, logits_to_keep=1)
+        cache = out.cache
+    return out
+
+
+@torch.no_grad()
+def greedy_continuation(model, ids: torch.Tensor, new_tokens: int, pad_token_id: int,
+                        prefill_piece: int = PREFILL_PIECE) -> torch.Tensor:
+    """`generate`'s greedy continuation of `ids` [1, n] (the new ids only); a prompt longer than `prefill_piece`
+    is first read into the cache in pieces (all but its last token), so a 64k-token prompt fits in memory."""
+    cache = prefill(model, ids[:, :-1], prefill_piece).cache if ids.shape[1] > prefill_piece else None
+    extra = {} if cache is None else {"cache": cache}
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                         pad_token_id=pad_token_id, **extra)
+    return out[0, ids.shape[1]:]
+
+
 @torch.no_grad()
 def passkey_grid(model, tokenizer, lengths: list[int], depths: list[float], trials: int = 1, seed: int = 0,
                  progress: bool = True) -> dict[int, dict[float, float]]:
-    """Share of prompts whose greedy continuation contains the passkey, per prompt length and needle depth."""
+    """Share of prompts whose greedy continuation contains the passkey, per prompt length and needle depth (a long
+    prompt prefilled in pieces: `greedy_continuation`)."""
     rng = random.Random(seed)
     device = next(model.parameters()).device
     results = {}
@@ -52,9 +82,8 @@ def passkey_grid(model, tokenizer, lengths: list[int], depths: list[float], tria
             for _ in range(trials):
                 passkey = rng.randint(10000, 99999)
                 ids = passkey_prompt(tokenizer, length, depth, passkey).to(device)[None]
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-                                     pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-                answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+                answer_ids = greedy_continuation(model, ids, 8, tokenizer.pad_token_id or tokenizer.eos_token_id)
+                answer = tokenizer.decode(answer_ids, skip_special_tokens=True)
                 hits += str(passkey) in answer
             results[length][depth] = hits / trials
     return results
@@ -72,7 +101,8 @@ def passkey_accuracy(model, tokenizer, lengths: list[int], depths: list[float], 
 
 
 @torch.no_grad()
-def decode_speed(model, context: int, new_tokens: int = 16, prefill_piece: int = 4096, seed: int = 0) -> dict:
+def decode_speed(model, context: int, new_tokens: int = 16, prefill_piece: int = PREFILL_PIECE,
+                 seed: int = 0) -> dict:
     """Milliseconds per generated token after a `context`-token prompt, and the cache bytes held then.
 
     The prompt is random token ids, prefilled in pieces of `prefill_piece` tokens (not timed).
@@ -80,11 +110,8 @@ def decode_speed(model, context: int, new_tokens: int = 16, prefill_piece: int =
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     prompt = torch.randint(0, model.config.vocab_size, (1, context), generator=generator).to(device)
-    cache = None
-    for start in range(0, context, prefill_piece):
-        out = model(input_ids=prompt[:, start : start + prefill_piece], cache=cache, use_cache=True, logits_to_keep=1)
-        cache = out.cache
-    token = out.logits[:, -1:].argmax(-1)
+    out = prefill(model, prompt, prefill_piece)
+    cache, token = out.cache, out.logits[:, -1:].argmax(-1)
     started = time.perf_counter()
     for _ in range(new_tokens):
         out = model(input_ids=token, cache=cache, use_cache=True)
