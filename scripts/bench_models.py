@@ -174,7 +174,7 @@ def run_decode_benchmark(models: dict, contexts, steps: int, log=print, rounds: 
         gc.collect()
     return {"steps": steps, "rounds": rounds,
             "cache": f"synthesized (random tensors of the right shapes), then real decode steps, the models taking "
-                     f"turns ({rounds} turns of {steps} steps each in all)",
+                     f"turns ({steps} steps each in all, in {rounds} turns)",
             "rows": rows}
 
 
