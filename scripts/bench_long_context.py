@@ -15,11 +15,13 @@ Writes `results.json`, `results.md` and `long_context.png` under `--output_dir`.
 CPU cores (four 1-hour distillations; the teacher's 64k-token passes grow quadratically); `--minutes_per_model`,
 `--long_max_tokens`, `--passkey_lengths` and `--decode_contexts` scale it down.
 
-`--resume` continues a benchmark in `--output_dir` over as many sittings as it takes: the teacher's measurements
-(`teacher.json`) and each finished variant (`NAME/result.json`) are reused while their settings are unchanged; a
-variant whose measurement settings changed is measured again on its distilled model; an interrupted variant
-continues from its last training checkpoint (every `--checkpoint_every_tokens`) on the token budget it started
-with. A variant whose training settings changed starts afresh. `--overwrite` replaces a finished benchmark folder
+`--resume` continues a benchmark in `--output_dir` over as many sittings as it takes: the teacher's fine-tuning
+speed (`teacher.json`) and each finished variant (`NAME/result.json`) are reused while their settings are unchanged;
+an interrupted variant continues from its last training checkpoint (every `--checkpoint_every_tokens`) on the token
+budget it started with. Measurements are kept point by point as they finish (`measurements.json`, the teacher's in
+`--output_dir`, a variant's in its folder: the long document, each passkey length, each decode context), so a
+resumed run, or one that asks for more lengths or contexts, measures only the points it lacks. A variant whose
+training settings changed starts afresh, its points with it. `--overwrite` replaces a finished benchmark folder
 once the new one is complete.
 
     python -m delta_attention.scripts.bench_long_context --minutes_per_model 60
@@ -38,7 +40,7 @@ from . import bench_distill
 from .bench_distill import (BenchDistillOptions, check_run_options, distill_in_budget, probe_speed, save_figure,
                             teacher_speed)
 from .benchmark import _ints
-from .resumable import RESULT_FILE, as_saved, kept, read_json, start_part, write_json
+from .resumable import RESULT_FILE, PointStore, as_saved, kept, read_json, start_part, write_json
 
 VARIANTS = {  # name -> ConversionSettings fields (the attention window is filled in from the options)
     "hybrid": {"keep_attention": "auto:0.25"},
@@ -77,9 +79,12 @@ class BenchLongContextOptions(BenchDistillOptions):
 
 #: options that decide a variant's distilled model (with its conversion settings): a change retrains it
 TRAINING_KEYS = bench_distill.TRAINING_KEYS + ("stage3_share", "stage3_tokens", "stage3_seq_len")
-#: options that decide the long-context measurements: a change measures again
-MEASURE_KEYS = ("eval_dataset", "long_max_tokens", "long_buckets", "long_piece", "long_reset_window", "passkey_lengths",
-                "passkey_depths", "decode_contexts", "decode_new_tokens")
+#: options that decide the long-document perplexity (one measurement)
+LONG_PPL_KEYS = ("eval_dataset", "long_max_tokens", "long_buckets", "long_piece", "long_reset_window")
+#: options that decide the long-context measurements: a change measures the points it adds or changes
+MEASURE_KEYS = LONG_PPL_KEYS + ("passkey_lengths", "passkey_depths", "decode_contexts", "decode_new_tokens")
+#: a model's measurements, point by point (`PointStore`): in a variant's folder, and the teacher's in the run folder
+POINTS_FILE = "measurements.json"
 
 
 def check_options(options: BenchLongContextOptions) -> list[str]:
@@ -140,24 +145,26 @@ def stage3_budget(folder: Path, converted: Path, teacher: str, data, training, o
 
 
 def measure(model, tokenizer, texts: list[str], options: BenchLongContextOptions,
-            max_context: int | None = None) -> dict:
+            max_context: int | None = None, points: PointStore | None = None) -> dict:
     """Long-document perplexity by bucket, passkey accuracy per length (and per needle depth), cache bytes and decode
-    ms/token."""
+    ms/token; each point (the long document, a passkey length, a decode context) taken from `points` when it was
+    measured before under the same settings, and saved there as soon as it is measured."""
     from delta_attention.conversion.evaluation.long_context import long_perplexity, parse_buckets, parse_depths
     from delta_attention.conversion.evaluation.tasks import decode_speed, mean_over_depths, passkey_grid
 
+    points = points or PointStore(None, {})
     limit = max_context or max(_ints(options.decode_contexts) + _ints(options.passkey_lengths))
-    grid = passkey_grid(model, tokenizer, [n for n in _ints(options.passkey_lengths) if n <= limit],
-                        parse_depths(options.passkey_depths))
-    return {
-        "long_ppl": long_perplexity(model, tokenizer, texts, options.long_max_tokens,
-                                    parse_buckets(options.long_buckets), options.long_piece,
-                                    reset_window=options.long_reset_window),
-        "passkey": mean_over_depths(grid),
-        "passkey_by_depth": grid,
-        "decode": [decode_speed(model, context, options.decode_new_tokens)
-                   for context in _ints(options.decode_contexts) if context <= limit],
-    }
+    depths = parse_depths(options.passkey_depths)
+    long_ppl = points.get("long_ppl", {key: getattr(options, key) for key in LONG_PPL_KEYS}, lambda: long_perplexity(
+        model, tokenizer, texts, options.long_max_tokens, parse_buckets(options.long_buckets), options.long_piece,
+        reset_window=options.long_reset_window))
+    grid = {str(length): points.get("passkey", {"length": length, "depths": depths},
+                                    lambda length=length: passkey_grid(model, tokenizer, [length], depths)[length])
+            for length in _ints(options.passkey_lengths) if length <= limit}
+    decode = [points.get("decode", {"context": context, "new_tokens": options.decode_new_tokens},
+                         lambda context=context: decode_speed(model, context, options.decode_new_tokens))
+              for context in _ints(options.decode_contexts) if context <= limit]
+    return {"long_ppl": long_ppl, "passkey": mean_over_depths(grid), "passkey_by_depth": grid, "decode": decode}
 
 
 def _settings(options: BenchLongContextOptions, keys: tuple[str, ...], **extra) -> dict:
@@ -199,17 +206,12 @@ def run(options: BenchLongContextOptions) -> int:
               "stage3_share": options.stage3_share, "stage3_seq_len": options.stage3_seq_len,
               **{key: getattr(options, key) for key in bench_distill.RECIPE_KEYS}, "models": {}}
 
-    def measure_teacher() -> dict:
-        speed = teacher_speed(source, data, options)
-        with torch.no_grad():
-            return {"teacher_finetune_tokens_per_s": speed,
-                    "measured": measure(source.model.eval(), source.tokenizer, texts, options,
-                                        options.teacher_max_context)}
-
-    measured = kept(out / "teacher.json", _settings(options, MEASURE_KEYS + (
-        "teacher", "dataset", "teacher_max_context", "probe_steps", "mixed_precision")), measure_teacher, "teacher")
-    report["teacher_finetune_tokens_per_s"] = measured["teacher_finetune_tokens_per_s"]
-    report["teacher"] = measured["measured"]
+    speed = kept(out / "teacher.json", _settings(options, ("teacher", "dataset", "probe_steps", "mixed_precision")),
+                 lambda: {"teacher_finetune_tokens_per_s": teacher_speed(source, data, options)}, "teacher")
+    report["teacher_finetune_tokens_per_s"] = speed["teacher_finetune_tokens_per_s"]
+    with torch.no_grad():  # each point measured once: a resumed run measures only what is new
+        report["teacher"] = measure(source.model.eval(), source.tokenizer, texts, options, options.teacher_max_context,
+                                    PointStore(out / POINTS_FILE, {"teacher": teacher}))
     training = TrainingOptions(batch_size=options.batch_size, mixed_precision=options.mixed_precision,
                                checkpoint_every_tokens=options.checkpoint_every_tokens)
 
@@ -223,8 +225,8 @@ def run(options: BenchLongContextOptions) -> int:
             if done["measure_settings"] == measure_settings:
                 print(f"{name}: reused from {name}/{RESULT_FILE}")
             else:
-                print(f"{name}: its measurement settings changed; measuring its distilled model again")
-                results["long_context"] = measure_variant(place, texts, options)
+                print(f"{name}: measuring its distilled model (points measured before are reused)")
+                results["long_context"] = measure_variant(place, texts, options, training_settings)
         else:
             resume = start_part(place, training_settings)
             converted = place / "converted"
@@ -238,7 +240,10 @@ def run(options: BenchLongContextOptions) -> int:
                                         crossdomain_dataset=options.crossdomain_dataset, agreement=options.agreement,
                                         **extra)
             results["stage3_probe_tokens_per_s"] = stage3_speed
-            results["long_context"] = measure_variant(place, texts, options)
+            # trained: a run killed while measuring keeps the distilled model and goes on measuring
+            write_json(place / RESULT_FILE,
+                       {"training_settings": training_settings, "measure_settings": None, "results": results})
+            results["long_context"] = measure_variant(place, texts, options, training_settings)
         write_json(place / RESULT_FILE,
                    {"training_settings": training_settings, "measure_settings": measure_settings, "results": results})
         report["models"][name] = results
@@ -251,13 +256,14 @@ def run(options: BenchLongContextOptions) -> int:
     return 0
 
 
-def measure_variant(place: Path, texts: list[str], options: BenchLongContextOptions) -> dict:
-    """`measure` of the distilled model in `place/run/model` (float32, no grad)."""
+def measure_variant(place: Path, texts: list[str], options: BenchLongContextOptions, training_settings: dict) -> dict:
+    """`measure` of the distilled model in `place/run/model` (float32, no grad), its points kept in `place`."""
     from delta_attention.conversion.loading import load_model
 
     model, tokenizer = load_model(str(place / "run" / "model"))
     with torch.no_grad():
-        return measure(model.float().eval(), tokenizer, texts, options)
+        return measure(model.float().eval(), tokenizer, texts, options,
+                       points=PointStore(place / POINTS_FILE, training_settings))
 
 
 def _ppl(value) -> str:

@@ -4,7 +4,8 @@ A part (a distilled model, a sweep variant) lives in its own folder. `start_part
 (`settings.json`) before anything else, so a rerun can tell an interrupted part of the same settings (continued),
 one of other settings (started afresh) and a folder the benchmark never wrote (refused, left as it is). A finished
 part's record goes to `result.json` with its settings; `read_json` gives it back for the caller to compare.
-Smaller results that need no folder, such as the teacher's measurements, are kept by `kept`.
+Smaller results that need no folder, such as the teacher's fine-tuning speed, are kept by `kept`, and
+measurements that take long one by one (a passkey length, a decode context) by a `PointStore`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,30 @@ def kept(path: Path, settings: dict, compute: Callable[[], dict], name: str) -> 
     record = {"settings": settings, **compute()}
     write_json(path, record)
     return record
+
+
+class PointStore:
+    """Measurements of one model kept one by one in a JSON file, each under the settings that decide it.
+
+    `get(kind, settings, compute)` gives the value saved for (`kind`, `settings`), or computes it and saves it at
+    once, so a run killed in its tenth measurement keeps the nine before, and a rerun asking for one more point
+    (another passkey length, a longer decode context) measures that point only. The file belongs to `owner` (what
+    the points are of: a model's settings); points saved for another owner are dropped. With `path` None the
+    points live in memory only. Values come back as they read from JSON (dict keys as strings)."""
+
+    def __init__(self, path: Path | None, owner: dict):
+        record = read_json(path) if path is not None else None
+        self.path, self.owner = path, as_saved(owner)
+        self.points = record["points"] if record is not None and record.get("owner") == self.owner else {}
+
+    def get(self, kind: str, settings: dict, compute: Callable[[], object]):
+        """The value of point (`kind`, `settings`), computed by `compute()` only when none is saved."""
+        key = json.dumps([kind, as_saved(settings)], sort_keys=True)
+        if key not in self.points:
+            self.points[key] = as_saved(compute())
+            if self.path is not None:
+                write_json(self.path, {"owner": self.owner, "points": self.points})
+        return self.points[key]
 
 
 def start_part(place: Path, settings: dict) -> bool:

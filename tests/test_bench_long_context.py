@@ -192,29 +192,49 @@ def tiny_bench(folders, out, **overrides) -> BenchLongContextOptions:
 
 def test_resume_reuses_finished_parts_and_continues_an_interrupted_variant(folders, tmp_path, monkeypatch):
     """A benchmark spread over sittings: each finished part is reused, a killed distillation continues from its
-    last checkpoint to the weights of a run that was never stopped, changed settings redo only what they decide."""
+    last checkpoint to the weights of a run that was never stopped, changed settings redo only what they decide, and
+    measurements are kept point by point."""
     import json
 
+    import delta_attention.conversion.evaluation.long_context as long_context
+    import delta_attention.conversion.evaluation.tasks as tasks
     import delta_attention.conversion.training.distill as pipeline
     import delta_attention.scripts.bench_long_context as bench
     from transformers import AutoModelForCausalLM
 
     measured, trained = [], []
-    original_measure, original_training = bench.measure, pipeline.run_training
+    original_training = pipeline.run_training
 
-    def counted_measure(model, *args, **kwargs):
-        measured.append(type(model).__name__)
-        return original_measure(model, *args, **kwargs)
+    def counted(kind, function, kill_kind=None):
+        def measured_point(model, *args, **kwargs):
+            point = (type(model).__name__, kind, args[0] if kind == "decode" else
+                     args[1][0] if kind == "passkey" else None)
+            if point[:2] == kill_kind:
+                raise Killed()
+            measured.append(point)
+            return function(model, *args, **kwargs)
+        return measured_point
+
+    originals = {"long_ppl": (long_context, "long_perplexity"), "passkey": (tasks, "passkey_grid"),
+                 "decode": (tasks, "decode_speed")}
+    originals = {kind: (module, name, getattr(module, name)) for kind, (module, name) in originals.items()}
+
+    def count_points(kill_kind=None):
+        for kind, (module, name, function) in originals.items():
+            monkeypatch.setattr(module, name, counted(kind, function, kill_kind))
 
     def counted_training(*args, **kwargs):
         trained.append(kwargs["description"])
         return original_training(*args, **kwargs)
 
-    monkeypatch.setattr(bench, "measure", counted_measure)
+    count_points()
     monkeypatch.setattr(pipeline, "run_training", counted_training)
     straight = tmp_path / "straight"
     assert bench.run(tiny_bench(folders, straight)) == 0
-    assert measured == ["LlamaForCausalLM", "DeltaForCausalLM"] and len(trained) == 2
+    every_point = [("long_ppl", None), ("passkey", 96), ("decode", 32)]
+    assert sorted(measured, key=str) == sorted([(model, *point) for model in ("LlamaForCausalLM", "DeltaForCausalLM")
+                                                for point in every_point], key=str)
+    assert len(trained) == 2
     report = json.loads((straight / "results.json").read_text())
     assert report["models"]["all-delta"]["stage2"]["tokens"] == 768
     by_depth = report["models"]["all-delta"]["long_context"]["passkey_by_depth"]
@@ -230,11 +250,16 @@ def test_resume_reuses_finished_parts_and_continues_an_interrupted_variant(folde
     measured.clear(), trained.clear()
     assert bench.run(tiny_bench(folders, straight, resume=True)) == 0
     assert measured == [] and trained == []
-    # new measurement settings: both measured again on the same distilled model, nothing trains
-    assert bench.run(tiny_bench(folders, straight, resume=True, decode_new_tokens=3)) == 0
-    assert measured == ["LlamaForCausalLM", "DeltaForCausalLM"] and trained == []
-    assert json.loads((straight / "results.json").read_text())["models"]["all-delta"]["stage2"] == \
-        report["models"]["all-delta"]["stage2"]
+    # another passkey length and decode step count: only those points are measured, on the same distilled model
+    assert bench.run(tiny_bench(folders, straight, resume=True, passkey_lengths="96,128", decode_new_tokens=3)) == 0
+    assert sorted(measured, key=str) == sorted([(model, *point) for model in ("LlamaForCausalLM", "DeltaForCausalLM")
+                                                for point in [("passkey", 128), ("decode", 32)]], key=str)
+    assert trained == []
+    again = json.loads((straight / "results.json").read_text())
+    assert again["models"]["all-delta"]["stage2"] == report["models"]["all-delta"]["stage2"]
+    assert again["models"]["all-delta"]["long_context"]["long_ppl"] == \
+        report["models"]["all-delta"]["long_context"]["long_ppl"]
+    assert list(again["models"]["all-delta"]["long_context"]["passkey"]) == ["96", "128"]
 
     # killed in stage 2 after its step-4 checkpoint, then resumed: the weights of the run never stopped
     killed_at_step_5_of_stage_2 = training_killed_at(original_training, 2, 5)
@@ -247,8 +272,15 @@ def test_resume_reuses_finished_parts_and_continues_an_interrupted_variant(folde
     assert not (killed / "all-delta" / "result.json").exists()
     monkeypatch.setattr(pipeline, "run_training", counted_training)
     measured.clear(), trained.clear()
+    count_points(kill_kind=("DeltaForCausalLM", "decode"))  # and killed again, in its last measurement
+    with pytest.raises(Killed):
+        bench.run(tiny_bench(folders, killed, resume=True))
+    assert measured == [("DeltaForCausalLM", "long_ppl", None), ("DeltaForCausalLM", "passkey", 96)]  # teacher's kept
+    count_points()
+    measured.clear()
     assert bench.run(tiny_bench(folders, killed, resume=True)) == 0
-    assert measured == ["DeltaForCausalLM"]  # the teacher's measurements were finished before the kill
+    assert measured == [("DeltaForCausalLM", "decode", 32)]  # the two points before the kill were kept
+    assert trained == ["stage 2 (logit distillation)"]  # the distillation finished before the kill is not redone
     results = json.loads((killed / "all-delta" / "result.json").read_text())["results"]
     assert results["resumed"] is True and results["stage2"]["tokens"] == 768
     a = AutoModelForCausalLM.from_pretrained(straight / "all-delta" / "run" / "model").state_dict()

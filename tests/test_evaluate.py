@@ -109,6 +109,23 @@ def test_passkey_accuracy_counts_right_and_wrong_answers(right, accuracy):
     assert result == {300: accuracy, 600: accuracy}
 
 
+def test_a_lengths_passkeys_do_not_depend_on_the_other_lengths_asked_for(monkeypatch):
+    """The long-context benchmark measures one length at a time and `evaluate` all at once: same prompts."""
+    import delta_attention.conversion.evaluation.tasks as tasks
+
+    asked, original = [], tasks.passkey_prompt
+    monkeypatch.setattr(tasks, "passkey_prompt", lambda tokenizer, length, depth, passkey: (
+        asked.append((length, depth, passkey)) or original(tokenizer, length, depth, passkey)))
+    tasks.passkey_grid(KeyReader(True), CharTokenizer(), [300, 600], [0.2, 0.8], trials=2, progress=False)
+    together = [a for a in asked if a[0] == 600]
+    asked.clear()
+    tasks.passkey_grid(KeyReader(True), CharTokenizer(), [600], [0.2, 0.8], trials=2, progress=False)
+    assert asked == together and len({passkey for *_, passkey in asked}) == 4
+    asked.clear()
+    tasks.passkey_grid(KeyReader(True), CharTokenizer(), [600], [0.2, 0.8], trials=2, seed=1, progress=False)
+    assert [passkey for *_, passkey in asked] != [passkey for *_, passkey in together]
+
+
 def test_cache_bytes_counts_kv_and_states():
     model = tiny_delta_model(num_hidden_layers=4, layer_types=HYBRID_LAYERS, sliding_window=6)
     with torch.no_grad():

@@ -71,11 +71,12 @@ def greedy_continuation(model, ids: torch.Tensor, new_tokens: int, pad_token_id:
 def passkey_grid(model, tokenizer, lengths: list[int], depths: list[float], trials: int = 1, seed: int = 0,
                  progress: bool = True) -> dict[int, dict[float, float]]:
     """Share of prompts whose greedy continuation contains the passkey, per prompt length and needle depth (a long
-    prompt prefilled in pieces: `greedy_continuation`)."""
-    rng = random.Random(seed)
+    prompt prefilled in pieces: `greedy_continuation`). A length's passkeys depend on `seed` and the length only, not
+    on the other lengths asked for, so a length measured alone gets the prompts it gets among others."""
     device = next(model.parameters()).device
     results = {}
     for length in lengths:
+        rng = random.Random(f"passkey {seed} {length}")
         results[length] = {}
         for depth in tqdm(depths, desc=f"passkey {length}", disable=not progress, leave=False):
             hits = 0
