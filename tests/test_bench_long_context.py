@@ -215,9 +215,9 @@ def test_resume_reuses_finished_parts_and_continues_an_interrupted_variant(folde
             return function(model, *args, **kwargs)
         return measured_point
 
-    originals = {"long_ppl": (long_context, "long_perplexity"), "passkey": (tasks, "passkey_grid"),
-                 "decode": (tasks, "decode_speed")}
-    originals = {kind: (module, name, getattr(module, name)) for kind, (module, name) in originals.items()}
+    originals = {kind: (module, name, getattr(module, name)) for kind, module, name in [
+        ("long_ppl", long_context, "long_perplexity"), ("passkey", tasks, "passkey_grid"),
+        ("decode", tasks, "decode_speed")]}
 
     def count_points(kill_kind=None):
         for kind, (module, name, function) in originals.items():
