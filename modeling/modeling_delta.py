@@ -48,6 +48,7 @@ from .delta_prefill import KeptHidden, release_freed_memory
 from .delta_rule import chunk_delta_rule, delta_step_inplace, recurrent_delta_rule
 from .few_rows_linear import DeltaLinear, few_rows_linear
 from .packed_linear import MIN_PACKED_BYTES, pack_linear_weights, unpack_linear_weights
+from .short_conv import causal_conv
 
 
 MASK_FUNCTIONS = {
@@ -334,9 +335,7 @@ class DeltaAttention(nn.Module):
             conv_input = cache.update_conv_state(conv_input, self.layer_idx, conv_kernel_size=self.conv_kernel_size)
         if attention_mask is not None:
             return self.conv_act(self._short_conv_skipping_masked(conv_input, attention_mask, cache).transpose(1, 2))
-        out = F.conv1d(conv_input, self.conv1d.weight, padding=self.conv_kernel_size - 1, groups=conv_input.shape[1])
-        out = out[..., : conv_input.shape[-1]][..., -seq_len:]
-        return self.conv_act(out.transpose(1, 2))
+        return self.conv_act(causal_conv(conv_input.transpose(1, 2), self.conv1d.weight[:, 0], seq_len))
 
     def _short_conv_skipping_masked(self, conv_input: torch.Tensor, attention_mask: torch.Tensor,
                                     cache: Cache | None) -> torch.Tensor:
@@ -349,7 +348,7 @@ class DeltaAttention(nn.Module):
         # stable sort: each row's kept inputs first, in their order; masked ones (zeros) last
         order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices
         compact = conv_input.gather(-1, order[:, None].expand(-1, channels, -1))  # [B, D, P + T]
-        out = F.conv1d(compact, self.conv1d.weight, padding=self.conv_kernel_size - 1, groups=channels)[..., :length]
+        out = causal_conv(compact.transpose(1, 2), self.conv1d.weight[:, 0]).transpose(1, 2)  # [B, D, P + T]
         slot = keep.cumsum(-1) - 1  # [B, P + T]: the index of each kept input in `compact` (-1 before the first)
         taps = slot[:, None, -attention_mask.shape[1] :].clamp(min=0)  # [B, 1, T]
         out = out.gather(-1, taps.expand(-1, channels, -1))  # [B, D, T]
