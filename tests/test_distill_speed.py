@@ -54,6 +54,45 @@ def test_chunked_kl_equals_the_whole_logits_kl_with_every_gradient(temperature, 
         assert torch.allclose(chunked[name], whole[name], atol=1e-7, rtol=1e-5), name
 
 
+def test_under_autocast_a_frozen_head_is_cast_once_per_step_with_the_same_loss_and_gradients(monkeypatch):
+    # autocast casts a frozen LM head's weight again at every chunk; `_cast_once` casts each model's head once
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import delta_attention.conversion.training.objectives as objectives
+
+    teacher = tiny_llama_teacher().eval().requires_grad_(False)  # frozen, as distill loads it
+    student = tiny_delta_model(seed=1).train()
+    student.lm_head.weight.requires_grad_(False)  # frozen, as in stage 2 with LoRA
+    ids = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(2))
+    head_shape = tuple(teacher.lm_head.weight.shape)
+
+    class CountHeadCasts(TorchDispatchMode):
+        casts = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) == head_shape:
+                CountHeadCasts.casts += 1
+            return func(*args, **(kwargs or {}))
+
+    def casts_loss_and_gradients():
+        student.zero_grad()
+        CountHeadCasts.casts = 0
+        with CountHeadCasts(), torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = LogitDistillation(teacher, student, 1.0, 0.0, chunk_tokens=8)(ids)
+        loss.backward()
+        return CountHeadCasts.casts, loss, {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
+
+    casts, loss, grads = casts_loss_and_gradients()
+    monkeypatch.setattr(objectives, "_cast_once", lambda head: head)  # what autocast does alone
+    casts_every_chunk, expected_loss, expected_grads = casts_loss_and_gradients()
+    assert casts == 2  # the teacher's head and the student's, once each
+    assert casts_every_chunk == 2 * 10  # 80 positions in chunks of 8, both heads
+    assert loss.item() == expected_loss.item()
+    assert grads.keys() == expected_grads.keys() and len(grads) > 5
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], atol=0, rtol=0, msg=name)
+
+
 def test_stage_1_activations_without_channel_statistics_are_the_same():
     teacher = tiny_llama_teacher(num_hidden_layers=3).eval()
     ids = torch.randint(3, 97, (2, 24), generator=torch.Generator().manual_seed(0))
