@@ -59,16 +59,17 @@ class CausalConvFunction(torch.autograd.Function):
         new_tokens, (batch, length, channels), width = ctx.new_tokens, inputs.shape, weight.shape[-1]
         first = length - new_tokens
         grad_inputs = grad_weight = None
+        grad_out32 = grad_out.float()  # one conversion for both gradients, as in `_shifted_sum`
         if ctx.needs_input_grad[0]:
             # inputs[s] fed out[t] through tap K - 1 - (t + first - s): the same sum over grad_out, reversed
-            padded = grad_out
+            padded = grad_out32
             if first:  # the cached positions fed no output of their own
-                padded = grad_out.new_zeros(batch, length, channels)
-                padded[:, first:] = grad_out
+                padded = grad_out32.new_zeros(batch, length, channels)
+                padded[:, first:] = grad_out32
             grad_inputs = _shifted_sum(padded, weight, length, reverse=True).to(inputs.dtype)
         if ctx.needs_input_grad[1]:
             grad_weight = torch.empty(width, channels, dtype=torch.float32, device=weight.device)
-            inputs32, grad_out32 = inputs.float(), grad_out.float()  # one conversion each, as in `_shifted_sum`
+            inputs32 = inputs.float()
             for tap in range(width):
                 shift = width - 1 - tap
                 skip = max(shift - first, 0)  # outputs whose tap reads before position 0
