@@ -84,6 +84,11 @@ class DistillOptions:
                                        "afresh); 0: the whole [batch, seq_len, vocab] logits at once (the plain "
                                        "reference, more memory)"}
     )
+    compile_kl: bool = dataclasses.field(
+        default=True, metadata={"help": "torch.compile the KL of each chunk of logits (stages 2 and 3): inductor fuses "
+                                        "its float32 passes, 6-7x faster on CPU; where it cannot compile (no C++ "
+                                        "compiler) one warning and the eager form (--no_compile_kl: always eager)"}
+    )
     stage3_tokens: int = dataclasses.field(
         default=65_536, metadata={"help": "token budget of long-context distillation (stage 3)"}
     )
@@ -323,7 +328,7 @@ def run_distill(options: DistillOptions, data: DataOptions, training: TrainingOp
 
         if 2 in stages:
             objective = LogitDistillation(teacher, peft_model, options.temperature, options.ce_weight,
-                                          options.stage2_logit_chunk or None)
+                                          options.stage2_logit_chunk or None, options.compile_kl)
             started = time.perf_counter()
             result = run_training(
                 objective, _answer_loss, groups(options.stage2_lr, options.stage2_new_params_lr), blocks, training,
@@ -393,7 +398,7 @@ def _long_context_stage(options: DistillOptions, data: DataOptions, training: Tr
         training, batch_size=options.stage3_batch_size,
         gradient_checkpointing=options.stage3_gradient_checkpointing or training.gradient_checkpointing)
     objective = ChunkedLogitDistillation(teacher, peft_model, options.temperature, options.ce_weight,
-                                         options.stage3_logit_chunk)
+                                         options.stage3_logit_chunk, options.compile_kl)
     started = time.perf_counter()
     result = run_training(
         objective, _answer_loss, groups, blocks, long_training, folder, options.stage3_tokens, seed=data.seed + 2,

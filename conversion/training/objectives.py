@@ -29,6 +29,7 @@ from delta_attention.modeling.few_rows_linear import DeltaLinear
 from ..converter.attention_transfer import collect_teacher_activations, relative_mse
 from ..data.chat import IGNORE_INDEX
 from ..evaluation.perplexity import perplexity
+from .softmax_kl import fused_kl_rows_and_gradient, kl_rows_and_gradient
 
 def delta_layer_indices(student) -> list[int]:
     """Indices of the student's delta layers."""
@@ -132,14 +133,14 @@ class LogitDistillation(nn.Module):
     made at once and scored by `distillation_kl`, the plain reference."""
 
     def __init__(self, teacher: nn.Module, student: nn.Module, temperature: float = 1.0, ce_weight: float = 0.0,
-                 chunk_tokens: int | None = None):
+                 chunk_tokens: int | None = None, compiled_kl: bool = False):
         super().__init__()
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if chunk_tokens is not None and chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.student, self.temperature, self.ce_weight = student, temperature, ce_weight
-        self.chunk_tokens = chunk_tokens
+        self.chunk_tokens, self.compiled_kl = chunk_tokens, compiled_kl
         object.__setattr__(self, "teacher", teacher)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
@@ -180,7 +181,7 @@ class LogitDistillation(nn.Module):
         counted = None if labels is None else next_tokens != IGNORE_INDEX
         kl, ce = chunked_distillation_loss(student_hidden, teacher_hidden, student_head, teacher_head,
                                            self.temperature, self.chunk_tokens,
-                                           next_tokens if self.ce_weight else None, counted)
+                                           next_tokens if self.ce_weight else None, counted, self.compiled_kl)
         if ce is None:
             return kl, {"kl": kl.item()}
         return kl + self.ce_weight * ce, {"kl": kl.item(), "ce": ce.item()}
@@ -191,21 +192,6 @@ def decoder_and_head(model) -> tuple[nn.Module, nn.Module]:
     looked into (its LoRA layers sit inside the decoder and stay in use)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return base.get_decoder(), base.get_output_embeddings()
-
-
-def _kl_rows_and_gradient(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
-                          temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row KL(teacher || student) of the softened distributions (`[n]`) and its gradient with respect to the
-    student's logits, `(softmax(s / T) - softmax(t / T)) / T` (`[n, vocab]`), both float32; `_summed_kl` is the
-    reference of the sum."""
-    softened = (lambda logits: logits.float()) if temperature == 1 else (lambda logits: logits.float() / temperature)
-    # new [n, vocab] tensors, changed in place below: every chunk allocates three, not five
-    student_logp = F.log_softmax(softened(student_logits), dim=-1)
-    teacher_logp = F.log_softmax(softened(teacher_logits), dim=-1)
-    teacher_p = teacher_logp.exp()
-    rows = teacher_logp.sub_(student_logp).mul_(teacher_p).sum(-1)  # [n]: sum p_t (log p_t - log p_s)
-    gradient = student_logp.exp_().sub_(teacher_p)  # [n, vocab]
-    return rows, gradient if temperature == 1 else gradient.div_(temperature)
 
 
 def _ce_rows_and_gradient(student_logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,7 +214,7 @@ class _HeadLossesByChunk(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, student_rows, teacher_rows, kl_rows, targets, student_head, teacher_head, temperature, chunk,
-                *head_params):
+                kl_function, *head_params):
         # student_rows, teacher_rows: [n, hidden]; kl_rows: [n] booleans or None; targets: [n] or None
         kl_sum = ce_sum = student_rows.new_zeros((), dtype=torch.float32)
         kl_grad_rows, ce_grad_rows = torch.zeros_like(student_rows), torch.zeros_like(student_rows)
@@ -241,14 +227,12 @@ class _HeadLossesByChunk(torch.autograd.Function):
                 student_logits = student_head(rows)  # [chunk, vocab]
             with torch.no_grad():
                 teacher_logits = teacher_head(teacher_rows[part])  # [chunk, vocab]
-            kl, kl_grad = _kl_rows_and_gradient(student_logits.detach(), teacher_logits, temperature)
-            if kl_rows is not None:
-                kl, kl_grad = kl * kl_rows[part], kl_grad.mul_(kl_rows[part, None])
+            kl, kl_grad = kl_function(student_logits.detach(), teacher_logits, temperature,
+                                      None if kl_rows is None else kl_rows[part])  # [chunk], [chunk, vocab]
             del teacher_logits
             kl_sum = kl_sum + kl.sum()
             inputs = (rows, *head_params)
-            grads = torch.autograd.grad(student_logits, inputs, kl_grad.to(student_logits.dtype),
-                                        retain_graph=targets is not None)
+            grads = torch.autograd.grad(student_logits, inputs, kl_grad, retain_graph=targets is not None)
             del kl_grad
             kl_grad_rows[part] = grads[0]
             for total, grad in zip(kl_grad_params, grads[1:]):
@@ -270,7 +254,7 @@ class _HeadLossesByChunk(torch.autograd.Function):
         kl_params, ce_params = param_grads[: ctx.params], param_grads[ctx.params :]
         rows = kl_grad_rows * kl_scale + ce_grad_rows * ce_scale
         params = [kl * kl_scale + ce * ce_scale for kl, ce in zip(kl_params, ce_params)]
-        return rows, None, None, None, None, None, None, None, *params
+        return rows, None, None, None, None, None, None, None, None, *params
 
 
 def _cast_once(head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -294,8 +278,8 @@ def _cast_once(head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def chunked_distillation_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, student_head: nn.Module,
                               teacher_head: nn.Module, temperature: float, chunk_tokens: int,
-                              next_tokens: torch.Tensor | None = None,
-                              counted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                              next_tokens: torch.Tensor | None = None, counted: torch.Tensor | None = None,
+                              compiled_kl: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`distillation_kl` of `head(hidden)` over the positions `counted` marks (every position when None) and, given
     `next_tokens`, the student's mean cross-entropy against them, computed `chunk_tokens` positions at a time.
 
@@ -304,8 +288,9 @@ def chunked_distillation_loss(student_hidden: torch.Tensor, teacher_hidden: torc
     positions scored by either term are put through the heads, `chunk_tokens` of them (over the whole batch) at a
     time: each chunk's logits (`[chunk, vocab]`) give the loss and, from the softmaxes, its gradient straight away
     (`_HeadLossesByChunk`), so at most one chunk of logits is alive and none is made twice; the teacher's head runs
-    without gradients. Returns `(kl, ce)`, `ce` None without `next_tokens`. The plain reference is `distillation_kl`
-    of the whole logits."""
+    without gradients. Each chunk's KL and gradient come from `softmax_kl.kl_rows_and_gradient`, or its compiled
+    form with `compiled_kl` (falls back to the eager one, logged once, where inductor cannot compile). Returns
+    `(kl, ce)`, `ce` None without `next_tokens`. The plain reference is `distillation_kl` of the whole logits."""
     scored = None if next_tokens is None else next_tokens != IGNORE_INDEX  # [batch, seq_len]
     kept = counted if scored is None or counted is None else counted | scored  # [batch, seq_len] or None
     student_rows, teacher_rows = student_hidden.flatten(0, 1), teacher_hidden.flatten(0, 1)  # [batch * seq_len, D]
@@ -319,7 +304,9 @@ def chunked_distillation_loss(student_hidden: torch.Tensor, teacher_hidden: torc
         targets = None if targets is None else targets[kept]
     head_params = [p for p in student_head.parameters() if p.requires_grad]
     kl_sum, ce_sum = _HeadLossesByChunk.apply(student_rows, teacher_rows, kl_rows, targets, _cast_once(student_head),
-                                              _cast_once(teacher_head), temperature, chunk_tokens, *head_params)
+                                              _cast_once(teacher_head), temperature, chunk_tokens,
+                                              fused_kl_rows_and_gradient if compiled_kl else kl_rows_and_gradient,
+                                              *head_params)
     positions = student_hidden.shape[:2].numel() if counted is None else int(counted.sum())
     kl = kl_sum / max(positions, 1) * temperature**2
     if next_tokens is None:
@@ -332,10 +319,10 @@ class ChunkedLogitDistillation(LogitDistillation):
     time (`chunked_distillation_loss`)."""
 
     def __init__(self, teacher: nn.Module, student: nn.Module, temperature: float = 1.0, ce_weight: float = 0.0,
-                 chunk_tokens: int = 512):
+                 chunk_tokens: int = 512, compiled_kl: bool = False):
         if chunk_tokens is None or chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-        super().__init__(teacher, student, temperature, ce_weight, chunk_tokens)
+        super().__init__(teacher, student, temperature, ce_weight, chunk_tokens, compiled_kl)
 
 
 def add_lora(student, config):
