@@ -238,16 +238,17 @@ def run(options: BenchDistillOptions) -> int:
 
 def probe_speed(folder: Path, converted: Path, teacher: str, data, training, stage: int, tokens: int, lora=None,
                 **distill_options) -> float:
-    """Tokens/s of `stage` alone: `tokens` of it on `converted` into `folder/probe{stage}`, timed by the loop (the
-    last metrics line). `distill_options` are further `DistillOptions` fields (stage 3's block length)."""
+    """Tokens/s of `stage` alone: `tokens` of it on `converted` into `folder/probe{stage}`, timed by the loop over
+    the steps after the first (which compiles the KL and makes the first casts). `distill_options` are further
+    `DistillOptions` fields (stage 3's block length)."""
     from delta_attention.conversion.training.distill import DistillOptions, run_distill
-    from delta_attention.conversion.training.metrics import read_metrics
+    from delta_attention.conversion.training.metrics import read_metrics, speed_after_first_step
 
     probe = folder / f"probe{stage}"
     run_distill(DistillOptions(student=str(converted), teacher=teacher, output_dir=str(probe), overwrite=True,
                                stages=str(stage), **{f"stage{stage}_tokens": tokens}, eval_tokens=0,
                                **distill_options), data, training, lora)
-    return read_metrics(probe / f"stage{stage}" / "metrics.jsonl")[-1]["tokens_per_s"]
+    return speed_after_first_step(read_metrics(probe / f"stage{stage}" / "metrics.jsonl"))
 
 
 def stage_budgets(folder: Path, converted: Path, teacher: str, data, training, options: BenchDistillOptions,

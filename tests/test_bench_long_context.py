@@ -144,7 +144,9 @@ def test_stage3_share_takes_its_part_of_the_time_budget_at_the_probed_speed(monk
 
     probes = []
     monkeypatch.setattr(distill, "run_distill", lambda options, *args: probes.append(options))
-    monkeypatch.setattr(metrics, "read_metrics", lambda path: [{"tokens_per_s": 1.0}, {"tokens_per_s": 50.0}])
+    # a first step of 100 tokens in 10 s, then 500 more in 10 s: 50 tokens/s after the first step
+    monkeypatch.setattr(metrics, "read_metrics", lambda path: [{"tokens": 100, "tokens_per_s": 10.0},
+                                                               {"tokens": 600, "tokens_per_s": 30.0}])
     options = BenchLongContextOptions(minutes_per_model=20, stage3_share=0.25, stage3_seq_len=2048, probe_steps=3)
     extra, rest, speed = stage3_budget(tmp_path / "hybrid", tmp_path / "converted", "teacher.gguf", None, None, options)
     # 50 tokens/s for a quarter of 20 minutes: 15,000 tokens, whole blocks of 2,048 -> 14,336
@@ -163,7 +165,8 @@ def test_stage3_share_takes_its_part_of_the_time_budget_at_the_probed_speed(monk
 
 
 @pytest.mark.parametrize("stage, tokens, extra", [(1, 2 * 8 * 32, {}), (3, 2 * 64, {"stage3_seq_len": 64})])
-def test_probe_speed_runs_the_stage_alone_and_returns_the_loops_last_speed(folders, tmp_path, stage, tokens, extra):
+def test_probe_speed_runs_the_stage_alone_and_returns_its_speed_after_the_first_step(folders, tmp_path, stage,
+                                                                                     tokens, extra):
     """The probe shared by bench-distill's stages 1 and 2 and bench-long-context's stage 3, on the tiny teacher."""
     from delta_attention.conversion.data.text import DataOptions
     from delta_attention.conversion.training.lora import LoraOptions
@@ -176,7 +179,9 @@ def test_probe_speed_runs_the_stage_alone_and_returns_the_loops_last_speed(folde
     speed = probe_speed(tmp_path, folders / "student", str(folders / "teacher"), data, training, stage, tokens,
                         LoraOptions(lora_r=4), **extra)
     records = read_metrics(tmp_path / f"probe{stage}" / f"stage{stage}" / "metrics.jsonl")
-    assert records[-1]["tokens"] == tokens and speed == records[-1]["tokens_per_s"] > 0
+    assert records[-1]["tokens"] == tokens and len(records) == 2
+    seconds = [r["tokens"] / r["tokens_per_s"] for r in records]  # the loop's time up to each step
+    assert speed == pytest.approx((tokens - records[0]["tokens"]) / (seconds[1] - seconds[0]), rel=1e-9) and speed > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"probe{stage}"]
     assert not any((tmp_path / f"probe{stage}" / f"stage{other}").exists() for other in {1, 2, 3} - {stage})
 

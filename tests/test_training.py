@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_delta_model
 from delta_attention.conversion.training import checkpoints
 from delta_attention.conversion.training.checkpoints import latest_checkpoint, save_checkpoint
-from delta_attention.conversion.training.metrics import plot_metrics, read_metrics
+from delta_attention.conversion.training.metrics import plot_metrics, read_metrics, speed_after_first_step
 from delta_attention.conversion.saving import atomic_save
 from delta_attention.conversion.training.loop import NonFiniteLossError, TrainingOptions, data_order, run_training
 
@@ -349,3 +349,11 @@ def test_num_evaluations_spreads_that_many_over_a_run_of_any_length(tmp_path, st
                               eval_every_tokens=4 * 32)  # overridden
     _, result = train(tmp_path, options, max_tokens=steps * 4 * 32, evaluate=lambda model: {"probe": 0.0})
     assert [e["step"] for e in result.evaluations] == expected
+
+
+def test_speed_after_the_first_step_leaves_out_the_first_steps_time():
+    # 2,048 tokens a step; the first step takes 20 s (a compile), the next two 10 s each: the loop's running
+    # figures are 102.4, 136.5 and 153.6 tokens/s, the steady speed 4,096 tokens in 20 s
+    records = [{"tokens": 2048 * k, "tokens_per_s": 2048 * k / seconds} for k, seconds in ((1, 20), (2, 30), (3, 40))]
+    assert speed_after_first_step(records) == pytest.approx(204.8, rel=1e-12)
+    assert speed_after_first_step(records[:1]) == pytest.approx(102.4, rel=1e-12)  # one step: its own speed

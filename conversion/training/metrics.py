@@ -11,6 +11,18 @@ def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def speed_after_first_step(records: list[dict]) -> float:
+    """Tokens/s of a run's steps after its first, from the records of a run started from step 0 (each record's
+    `tokens_per_s` is the loop's running figure since the start, so `tokens / tokens_per_s` is the time taken up to
+    it). The first step also pays one-time costs (compiling, allocations, first casts), which a probe of a few
+    steps must leave out; a run of one step has only that step's speed."""
+    if len(records) < 2:
+        return records[-1]["tokens_per_s"]
+    first, last = records[0], records[-1]
+    seconds = last["tokens"] / last["tokens_per_s"] - first["tokens"] / first["tokens_per_s"]
+    return (last["tokens"] - first["tokens"]) / seconds
+
+
 def plot_metrics(runs: dict[str, str | Path], output: str | Path, title: str = "") -> Path:
     """One PNG: training loss (left) and held-out perplexity (right) against tokens, one line per named run."""
     import matplotlib
