@@ -54,11 +54,14 @@ def test_chunked_kl_equals_the_whole_logits_kl_with_every_gradient(temperature, 
         assert torch.allclose(chunked[name], whole[name], atol=1e-7, rtol=1e-5), name
 
 
-def test_under_autocast_a_frozen_head_is_cast_once_per_step_with_the_same_loss_and_gradients(monkeypatch):
-    # autocast casts a frozen LM head's weight again at every chunk; `_cast_once` casts each model's head once
+def test_under_autocast_a_frozen_head_is_cast_once_with_the_same_loss_and_gradients(monkeypatch):
+    # autocast casts a frozen LM head's weight again at every chunk; the objective's `FrozenLinearCasts` casts each
+    # model's head once and keeps the copies for the next steps
+    import contextlib
+
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import delta_attention.conversion.training.objectives as objectives
+    from delta_attention.conversion.training.frozen_casts import FrozenLinearCasts
 
     teacher = tiny_llama_teacher().eval().requires_grad_(False)  # frozen, as distill loads it
     student = tiny_delta_model(seed=1).train()
@@ -74,18 +77,21 @@ def test_under_autocast_a_frozen_head_is_cast_once_per_step_with_the_same_loss_a
                 CountHeadCasts.casts += 1
             return func(*args, **(kwargs or {}))
 
-    def casts_loss_and_gradients():
+    def casts_loss_and_gradients(objective):
         student.zero_grad()
         CountHeadCasts.casts = 0
         with CountHeadCasts(), torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, _ = LogitDistillation(teacher, student, 1.0, 0.0, chunk_tokens=8)(ids)
+            loss, _ = objective(ids)
         loss.backward()
         return CountHeadCasts.casts, loss, {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
 
-    casts, loss, grads = casts_loss_and_gradients()
-    monkeypatch.setattr(objectives, "_cast_once", lambda head: head)  # what autocast does alone
-    casts_every_chunk, expected_loss, expected_grads = casts_loss_and_gradients()
+    objective = LogitDistillation(teacher, student, 1.0, 0.0, chunk_tokens=8)
+    casts, loss, grads = casts_loss_and_gradients(objective)
+    casts_next_step = casts_loss_and_gradients(objective)[0]
+    monkeypatch.setattr(FrozenLinearCasts, "cast_in", lambda self, *models, device_type="cpu": contextlib.nullcontext())
+    casts_every_chunk, expected_loss, expected_grads = casts_loss_and_gradients(objective)  # autocast alone
     assert casts == 2  # the teacher's head and the student's, once each
+    assert casts_next_step == 0  # kept from the first step
     assert casts_every_chunk == 2 * 10  # 80 positions in chunks of 8, both heads
     assert loss.item() == expected_loss.item()
     assert grads.keys() == expected_grads.keys() and len(grads) > 5

@@ -17,18 +17,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from delta_attention.modeling.configuration_delta import delta_layer_indices as _delta_layer_indices
-from delta_attention.modeling.few_rows_linear import DeltaLinear
 
 from ..converter.attention_transfer import collect_teacher_activations, relative_mse
 from ..data.chat import IGNORE_INDEX
 from ..evaluation.perplexity import perplexity
+from .frozen_casts import FrozenLinearCasts
 from .softmax_kl import fused_kl_rows_and_gradient, kl_rows_and_gradient
 
 def delta_layer_indices(student) -> list[int]:
@@ -57,9 +56,14 @@ class AttentionTransfer(nn.Module):
         self.layers = list(layers)
         self.mixers = nn.ModuleDict({str(i): student.model.layers[i].self_attn for i in self.layers})
         object.__setattr__(self, "teacher", teacher)
+        self._casts = FrozenLinearCasts()  # the frozen linear weights, cast once for the training autocast
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """`position_ids` (restarting per packed document) reach the teacher's forward and every delta layer."""
+        with self._casts.cast_in(self.teacher, self.mixers, device_type=input_ids.device.type):
+            return self._forward(input_ids, position_ids)
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
         with _forward_with(self.teacher.model, position_ids=position_ids):
             activations = collect_teacher_activations(
                 self.teacher, input_ids, self.layers, batch_size=len(input_ids), progress=False, channel_stats=False
@@ -142,12 +146,18 @@ class LogitDistillation(nn.Module):
         self.student, self.temperature, self.ce_weight = student, temperature, ce_weight
         self.chunk_tokens, self.compiled_kl = chunk_tokens, compiled_kl
         object.__setattr__(self, "teacher", teacher)
+        self._casts = FrozenLinearCasts()  # the frozen linear weights, cast once for the training autocast
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """Teacher and student see the same `position_ids` (the same document boundaries when packed). With
         `labels` (chat rows: -100 outside the answers, as `data.chat.chat_rows` makes them) only the positions that
-        predict a labelled token count, in the KL and the cross-entropy alike."""
+        predict a labelled token count, in the KL and the cross-entropy alike. Under autocast the frozen linear
+        weights of both models take copies cast once (`FrozenLinearCasts`): the same products, fewer casts."""
+        with self._casts.cast_in(self.teacher, self.student, device_type=input_ids.device.type):
+            return self._forward(input_ids, position_ids, labels)
+
+    def _forward(self, input_ids, position_ids, labels) -> tuple[torch.Tensor, dict]:
         if self.chunk_tokens is not None:
             return self._chunked_forward(input_ids, position_ids, labels)
         with torch.no_grad():
@@ -257,25 +267,6 @@ class _HeadLossesByChunk(torch.autograd.Function):
         return rows, None, None, None, None, None, None, None, None, *params
 
 
-def _cast_once(head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`head` as the chunks call it: under autocast, a linear head (`nn.Linear` or the model's `DeltaLinear`) with
-    frozen parameters gets them cast to the autocast dtype once, here, and the same product (autocast rounds them
-    the same way) runs on the copies. Autocast caches the casts of trainable parameters only, so it casts a frozen
-    head again at every call: for SmolLM2's 49,152 x 576 LM head, 77 ms per chunk of 128 positions and model on two
-    CPU cores, a quarter of a stage-2 step. Any other head is returned as it is."""
-    if type(head) is not nn.Linear and not isinstance(head, DeltaLinear):
-        return head
-    device = head.weight.device.type
-    if not torch.is_autocast_enabled(device) or any(p.requires_grad for p in head.parameters()):
-        return head
-    dtype = torch.get_autocast_dtype(device)
-    if head.weight.dtype == dtype or not head.weight.is_floating_point():
-        return head
-    weight = head.weight.detach().to(dtype)
-    bias = None if head.bias is None else head.bias.detach().to(dtype)
-    return lambda rows: F.linear(rows.to(dtype), weight, bias)
-
-
 def chunked_distillation_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, student_head: nn.Module,
                               teacher_head: nn.Module, temperature: float, chunk_tokens: int,
                               next_tokens: torch.Tensor | None = None, counted: torch.Tensor | None = None,
@@ -303,10 +294,12 @@ def chunked_distillation_loss(student_hidden: torch.Tensor, teacher_hidden: torc
         kl_rows = counted.flatten()[kept] if scored is not None else None  # [n]: with no CE every kept row counts
         targets = None if targets is None else targets[kept]
     head_params = [p for p in student_head.parameters() if p.requires_grad]
-    kl_sum, ce_sum = _HeadLossesByChunk.apply(student_rows, teacher_rows, kl_rows, targets, _cast_once(student_head),
-                                              _cast_once(teacher_head), temperature, chunk_tokens,
-                                              fused_kl_rows_and_gradient if compiled_kl else kl_rows_and_gradient,
-                                              *head_params)
+    # a frozen head is cast to the autocast dtype once here, not at every chunk (a no-op inside the objectives,
+    # whose frozen weights are cast already)
+    with FrozenLinearCasts().cast_in(student_head, teacher_head, device_type=student_rows.device.type):
+        kl_sum, ce_sum = _HeadLossesByChunk.apply(
+            student_rows, teacher_rows, kl_rows, targets, student_head, teacher_head, temperature, chunk_tokens,
+            fused_kl_rows_and_gradient if compiled_kl else kl_rows_and_gradient, *head_params)
     positions = student_hidden.shape[:2].numel() if counted is None else int(counted.sum())
     kl = kl_sum / max(positions, 1) * temperature**2
     if next_tokens is None:
