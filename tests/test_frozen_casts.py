@@ -143,3 +143,56 @@ def test_stage_2_loss_and_gradients_under_lora_are_the_same_bit_for_bit(chunk_to
     assert torch.equal(loss, expected_loss)
     assert grads.keys() == expected_grads.keys() and any("lora_" in n for n in grads)
     assert all(torch.equal(grads[n], expected_grads[n]) for n in grads)
+
+
+def test_with_activation_checkpointing_the_recomputed_layers_give_the_same_gradients():
+    # the backward pass recomputes each layer outside the block, where autocast casts the float32 weights again:
+    # the same values, so the same gradients
+    teacher = tiny_llama_teacher().eval().requires_grad_(False)
+    student = tiny_delta_model(seed=1).train()
+    freeze_all(student)
+    peft_model, _ = add_lora(student, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    student.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})  # as the loop
+    objective = LogitDistillation(teacher, peft_model, 1.0, 0.0, 16)
+    ids = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(2))
+
+    def loss_and_gradients(forward):
+        peft_model.zero_grad()
+        with torch.autocast("cpu", dtype=BF16):
+            loss, _ = forward(ids)
+        loss.backward()
+        return loss, {n: p.grad.clone() for n, p in peft_model.named_parameters() if p.grad is not None}
+
+    calls = []
+    student.model.layers[0].mlp.register_forward_pre_hook(lambda module, args: calls.append(1))
+    loss, grads = loss_and_gradients(objective)
+    assert len(calls) == 2  # run in the forward pass, and again in the backward pass
+    assert len(objective._casts._copies) > 10
+    expected_loss, expected_grads = loss_and_gradients(lambda ids: objective._forward(ids, None, None))
+    assert torch.equal(loss, expected_loss)
+    assert grads.keys() == expected_grads.keys() and any("lora_" in n for n in grads)
+    assert all(torch.equal(grads[n], expected_grads[n]) for n in grads)
+
+
+def test_finetuning_loss_and_gradients_are_the_same_bit_for_bit():
+    from peft import get_peft_model
+
+    from delta_attention.conversion.training.finetune import _loss, _loss_with_frozen_casts
+
+    model = get_peft_model(tiny_delta_model(seed=1).train(), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    ids = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(2))
+    casts = FrozenLinearCasts()
+
+    def loss_and_gradients(loss_function):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=BF16):
+            loss, _ = loss_function(model, {"input_ids": ids})
+        loss.backward()
+        return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss, grads = loss_and_gradients(_loss_with_frozen_casts(casts))
+    assert len(casts._copies) > 10 and model.get_output_embeddings().weight.dtype == torch.float32  # put back
+    expected_loss, expected_grads = loss_and_gradients(_loss)
+    assert torch.equal(loss, expected_loss)
+    assert grads.keys() == expected_grads.keys() and any("lora_" in n for n in grads)
+    assert all(torch.equal(grads[n], expected_grads[n]) for n in grads)

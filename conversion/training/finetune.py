@@ -19,6 +19,7 @@ from ..data.text import DataOptions, load_texts, training_blocks, warn_if_longer
 from ..loading import check_model_spec, load_model
 from ..output_folder import check_output_folder, on_main_process, open_run_folder_once
 from ..saving import atomic_save, save_model_and_tokenizer
+from .frozen_casts import FrozenLinearCasts
 from .lora import LoraOptions, lora_config
 from .loop import TrainingOptions, run_training
 from .metrics import plot_metrics
@@ -82,6 +83,18 @@ def finetune_rows(options: FinetuneOptions, data: DataOptions, tokenizer):
     return chat_rows(tokenizer, (row["text"] for row in table), data.seq_len, options.completion_only_loss)
 
 
+def _loss_with_frozen_casts(casts: FrozenLinearCasts):
+    """`_loss` with the model's frozen linear weights (the base weights under LoRA, the LM head) cast to the autocast
+    dtype once for the whole run (`casts`), not at every step: the same loss and gradients."""
+
+    def loss(model, batch):
+        ids = batch["input_ids"] if isinstance(batch, dict) else batch
+        with casts.cast_in(model, device_type=ids.device.type):
+            return _loss(model, batch)
+
+    return loss
+
+
 def _loss(model, batch):
     """Causal LM loss. Packed text with `position_ids` (documents restart at 0): the first token of a document is
     not a target, as with transformers' `DataCollatorWithFlattening`; chat rows bring their own labels."""
@@ -115,7 +128,8 @@ def run_finetune(options: FinetuneOptions, data: DataOptions, training: Training
     torch.manual_seed(data.seed)  # the LoRA initialisation: the same --seed gives the same run
     peft_model = get_peft_model(model, lora_config(lora))
     params = [p for p in peft_model.parameters() if p.requires_grad]
-    result = run_training(peft_model, _loss, [{"params": params, "lr": options.learning_rate}], rows, training, out,
+    result = run_training(peft_model, _loss_with_frozen_casts(FrozenLinearCasts()),
+                          [{"params": params, "lr": options.learning_rate}], rows, training, out,
                           options.max_tokens, seed=data.seed, description="fine-tuning")
     # under `accelerate launch` every process runs this; only the main one writes
     on_main_process(atomic_save, lambda folder: save_model_and_tokenizer(peft_model, tokenizer, folder), out / "adapter")
