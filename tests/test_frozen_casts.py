@@ -94,84 +94,66 @@ def test_a_copy_is_kept_between_blocks_and_made_again_when_its_weight_changes():
             assert not model[0].weight.any()
 
 
+def assert_same_as_autocast_alone(model, objective, autocast_alone, fewest_copies: int) -> None:
+    """One step of `objective` (its frozen weights cast once) and one of `autocast_alone` (its `_forward`): the same
+    loss and gradients of `model`'s trained parameters, bit for bit."""
+    ids = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(2))
+
+    def loss_and_gradients(forward):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=BF16):
+            loss, _ = forward(ids)
+        loss.backward()
+        return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss, grads = loss_and_gradients(objective)
+    assert len(objective._casts._copies) >= fewest_copies
+    # the LM head is tied to the embeddings, which stay float32
+    assert model.get_input_embeddings().weight.dtype == torch.float32
+    expected_loss, expected_grads = loss_and_gradients(autocast_alone)
+    assert torch.equal(loss, expected_loss)
+    assert grads.keys() == expected_grads.keys() and len(grads) > 0
+    assert all(torch.equal(grads[n], expected_grads[n]) for n in grads)
+
+
 def test_stage_1_loss_and_gradients_are_the_same_bit_for_bit():
     teacher = tiny_llama_teacher(num_hidden_layers=3).eval().requires_grad_(False)
     student = tiny_delta_model(seed=1).train()
     freeze_all(student)
     layers = delta_layer_indices(student)
-    params = stage1_parameters(student, layers)
-    for p in params:
+    for p in stage1_parameters(student, layers):
         p.requires_grad_(True)
     objective = AttentionTransfer(teacher, student, layers)
-    ids = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(2))
-
-    def loss_and_gradients(forward):
-        student.zero_grad()
-        with torch.autocast("cpu", dtype=BF16):
-            loss, _ = forward(ids)
-        loss.backward()
-        return loss, [p.grad.clone() for p in params]
-
-    loss, grads = loss_and_gradients(objective)  # through the casts
-    assert len(objective._casts._copies) > 4 * len(layers)  # the teacher's and the mixers' frozen projections
-    expected_loss, expected_grads = loss_and_gradients(lambda ids: objective._forward(ids, None))  # autocast alone
-    assert torch.equal(loss, expected_loss)
-    assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads, strict=True))
+    # the teacher's and the mixers' frozen projections
+    assert_same_as_autocast_alone(student, objective, lambda ids: objective._forward(ids, None), 4 * len(layers) + 1)
 
 
-@pytest.mark.parametrize("chunk_tokens", [None, 16])
-def test_stage_2_loss_and_gradients_under_lora_are_the_same_bit_for_bit(chunk_tokens):
+def stage_2_under_lora(temperature=1.0, ce_weight=0.0, chunk_tokens=16, checkpointing=False):
+    """(student, LoRA model, objective) on the tiny teacher and student, LoRA on q and v."""
     teacher = tiny_llama_teacher().eval().requires_grad_(False)
     student = tiny_delta_model(seed=1).train()
     freeze_all(student)
     peft_model, _ = add_lora(student, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    objective = LogitDistillation(teacher, peft_model, 2.0, 0.5, chunk_tokens)
-    ids = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(2))
+    if checkpointing:  # as the training loop turns it on
+        student.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    return student, peft_model, LogitDistillation(teacher, peft_model, temperature, ce_weight, chunk_tokens)
 
-    def loss_and_gradients(forward):
-        peft_model.zero_grad()
-        with torch.autocast("cpu", dtype=BF16):
-            loss, _ = forward(ids)
-        loss.backward()
-        return loss, {n: p.grad.clone() for n, p in peft_model.named_parameters() if p.grad is not None}
 
-    loss, grads = loss_and_gradients(objective)
-    # both models' frozen projections and LM heads (the student's tied to its embeddings, which stay float32)
-    assert len(objective._casts._copies) > 10
-    assert peft_model.get_input_embeddings().weight.dtype == torch.float32
-    expected_loss, expected_grads = loss_and_gradients(lambda ids: objective._forward(ids, None, None))
-    assert torch.equal(loss, expected_loss)
-    assert grads.keys() == expected_grads.keys() and any("lora_" in n for n in grads)
-    assert all(torch.equal(grads[n], expected_grads[n]) for n in grads)
+@pytest.mark.parametrize("chunk_tokens", [None, 16])
+def test_stage_2_loss_and_gradients_under_lora_are_the_same_bit_for_bit(chunk_tokens):
+    _, peft_model, objective = stage_2_under_lora(2.0, 0.5, chunk_tokens)
+    assert_same_as_autocast_alone(peft_model, objective, lambda ids: objective._forward(ids, None, None), 11)
+    assert any("lora_" in name for name, p in peft_model.named_parameters() if p.grad is not None)
 
 
 def test_with_activation_checkpointing_the_recomputed_layers_give_the_same_gradients():
     # the backward pass recomputes each layer outside the block, where autocast casts the float32 weights again:
     # the same values, so the same gradients
-    teacher = tiny_llama_teacher().eval().requires_grad_(False)
-    student = tiny_delta_model(seed=1).train()
-    freeze_all(student)
-    peft_model, _ = add_lora(student, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    student.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})  # as the loop
-    objective = LogitDistillation(teacher, peft_model, 1.0, 0.0, 16)
-    ids = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(2))
-
-    def loss_and_gradients(forward):
-        peft_model.zero_grad()
-        with torch.autocast("cpu", dtype=BF16):
-            loss, _ = forward(ids)
-        loss.backward()
-        return loss, {n: p.grad.clone() for n, p in peft_model.named_parameters() if p.grad is not None}
-
+    student, peft_model, objective = stage_2_under_lora(checkpointing=True)
     calls = []
     student.model.layers[0].mlp.register_forward_pre_hook(lambda module, args: calls.append(1))
-    loss, grads = loss_and_gradients(objective)
-    assert len(calls) == 2  # run in the forward pass, and again in the backward pass
-    assert len(objective._casts._copies) > 10
-    expected_loss, expected_grads = loss_and_gradients(lambda ids: objective._forward(ids, None, None))
-    assert torch.equal(loss, expected_loss)
-    assert grads.keys() == expected_grads.keys() and any("lora_" in n for n in grads)
-    assert all(torch.equal(grads[n], expected_grads[n]) for n in grads)
+    assert_same_as_autocast_alone(peft_model, objective, lambda ids: objective._forward(ids, None, None), 11)
+    assert len(calls) == 2 * 2  # each step runs the layer in the forward pass and again in the backward pass
 
 
 def test_finetuning_loss_and_gradients_are_the_same_bit_for_bit():
