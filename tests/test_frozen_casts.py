@@ -41,6 +41,14 @@ def test_inside_the_block_frozen_weights_are_cast_copies_and_trained_ones_are_un
     assert model[0].weight is frozen_weight and model[0].bias is frozen_bias
 
 
+def test_a_layer_met_twice_is_cast_once_and_put_back():
+    model = frozen_and_trained_layers()
+    weight = model[0].weight
+    with torch.autocast("cpu", dtype=BF16), FrozenLinearCasts().cast_in(model, model[0]):
+        assert model[0].weight.dtype == BF16
+    assert model[0].weight is weight
+
+
 def test_without_autocast_nothing_is_swapped():
     model = frozen_and_trained_layers()
     weight = model[0].weight

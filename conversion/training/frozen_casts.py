@@ -47,14 +47,13 @@ class FrozenLinearCasts:
             return
         dtype = torch.get_autocast_dtype(device_type)
         swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
-        seen: set[int] = set()
         try:
             for model in models:
+                # a layer met twice (in two of `models`) holds its copies by then and is passed over
                 for layer in model.modules():
-                    if not isinstance(layer, nn.Linear) or id(layer) in seen:
+                    if not isinstance(layer, nn.Linear):
                         continue
-                    seen.add(id(layer))
-                    own = [(name, p) for name, p in layer.named_parameters(recurse=False) if p is not None]
+                    own = list(layer.named_parameters(recurse=False))
                     if any(p.requires_grad for _, p in own):
                         continue
                     for name, parameter in own:
