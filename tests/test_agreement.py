@@ -1,6 +1,7 @@
 """Agreement with the teacher: each measure against hand-computed values, a model against itself, the reports."""
 
 import copy
+import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -15,11 +16,13 @@ from delta_attention.conversion.evaluation.agreement import (
     agreement_markdown,
     answer_prompts,
     chat_prompt_ids,
+    compare_outputs,
     continuation_agreement,
     copy_accuracy,
     greedy_continuations,
     matching_prefix_lengths,
     measure_agreement,
+    model_outputs,
     repeated_passages,
     repetition_of_answer,
     repetition_rate,
@@ -186,6 +189,30 @@ def test_a_model_agrees_with_itself_fully_and_less_with_another(tmp_path):
     assert 0 < record["continuation"]["mean_matching_prefix"] < 6
 
 
+def test_sampled_repetition_is_the_mean_over_several_samples_of_every_prompt(tmp_path):
+    model = tiny_delta_model(seed=3, num_hidden_layers=4, layer_types=HYBRID_LAYERS, sliding_window=6)
+    tokenizer = tiny_tokenizer()
+    (tmp_path / "a.txt").write_text(words(300, 0))
+    inputs = agreement_inputs(tokenizer, str(tmp_path), SMALL)
+    settings = dataclasses.replace(SMALL, samples=3, seed=5)
+    outputs = model_outputs(model, tokenizer, inputs, settings, "m")
+    prompts = len(inputs.chat_ids)
+    # every prompt once, then every prompt again: the same answers as one call over the prompts three times
+    assert outputs["sampled"] == answer_prompts(model, tokenizer, inputs.chat_ids * 3, 8, sample=True, seed=5,
+                                                batch_size=3)
+    assert len(outputs["sampled"]) == 3 * prompts
+    assert any(outputs["sampled"][i] != outputs["sampled"][i + prompts] for i in range(prompts))  # new draws
+    record = compare_outputs(outputs, outputs, inputs, settings, "texts")
+    by_hand = sum(repetition_of_answer(answer) for answer in outputs["sampled"]) / (3 * prompts)
+    assert record["repetition"]["student"]["sampled"] == pytest.approx(by_hand)
+    assert record["repetition"]["samples_per_prompt"] == 3
+    assert [a["student_sampled"] for a in record["answers"]] == outputs["sampled"][:prompts]  # each prompt's first
+    assert "; 3 sampled answers per prompt):" in agreement_markdown(record)
+    assert AgreementSettings().samples == 4
+    with pytest.raises(ValueError, match="agreement samples must be at least 1, got 0"):
+        dataclasses.replace(SMALL, samples=0).validate()
+
+
 RECORD = {
     "dataset": "builtin:heldout", "top1_agreement": 0.625, "positions": 8192,
     "continuation": {"prompts": 16, "prompt_tokens": 48, "new_tokens": 32, "mean_matching_prefix": 1.75,
@@ -261,9 +288,11 @@ def test_evaluate_agreement_task_compares_the_model_with_the_teacher(two_folders
     options = EvaluateOptions(model=str(two_folders / "student"), teacher=str(two_folders / "teacher"),
                               tasks="agreement", agreement_dataset=str(two_folders / "text"), agreement_tokens=96,
                               agreement_seq_len=32, agreement_prompts=4, agreement_prompt_tokens=8,
-                              agreement_new_tokens=5, answer_tokens=6, output_dir=str(tmp_path / "report"))
+                              agreement_new_tokens=5, answer_tokens=6, agreement_samples=2,
+                              output_dir=str(tmp_path / "report"))
     report = run_evaluate(options)
     record = report["agreement"]
+    assert record["repetition"]["samples_per_prompt"] == 2
     student = tiny_delta_model(seed=5, num_hidden_layers=4, layer_types=HYBRID_LAYERS, sliding_window=6)
     teacher = tiny_delta_model(seed=6, num_hidden_layers=4, layer_types=HYBRID_LAYERS, sliding_window=6)
     windows = torch.tensor(tiny_tokenizer()(words(400, 7))["input_ids"][:96]).view(3, 32)

@@ -70,6 +70,7 @@ class AgreementSettings:
     answer_tokens: int = 64  # most new tokens of a chat answer
     batch_size: int = 16
     seed: int = 0  # seed of the sampled answers
+    samples: int = 4  # sampled answers per prompt (with one, a model's rate ranged 3.0-10.6% over three seeds)
     copy_windows: int = 4  # passages read twice for the copy accuracy (the first teacher-forced windows)
     copy_tokens: int = 128  # tokens per passage (seq_len when it is shorter)
 
@@ -78,7 +79,7 @@ class AgreementSettings:
         for name in ("seq_len", "prompt_tokens", "copy_tokens"):
             if getattr(self, name) < 2:
                 raise ValueError(f"agreement {name} must be at least 2, got {getattr(self, name)}")
-        for name in ("tokens", "prompts", "new_tokens", "answer_tokens", "batch_size", "copy_windows"):
+        for name in ("tokens", "prompts", "new_tokens", "answer_tokens", "batch_size", "copy_windows", "samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"agreement {name} must be at least 1, got {getattr(self, name)}")
         return self
@@ -200,7 +201,8 @@ def answer_prompts(model, tokenizer, chat_ids: list[list[int]], max_new_tokens: 
 
 def model_outputs(model, tokenizer, inputs: AgreementInputs, settings: AgreementSettings, name: str = "model") -> dict:
     """Everything agreement compares, for one model: top-1 predictions, greedy continuations, greedy and
-    sampled chat answers. The model is put in eval mode for the measurement and back as it was."""
+    sampled chat answers (`settings.samples` per prompt: every prompt once, then again, ...). The model is put in
+    eval mode for the measurement and back as it was."""
     was_training = model.training
     model.eval()
     try:
@@ -213,8 +215,8 @@ def model_outputs(model, tokenizer, inputs: AgreementInputs, settings: Agreement
                                                   desc=f"{name}: continuations"),
             "greedy": answer_prompts(model, tokenizer, inputs.chat_ids, settings.answer_tokens, False,
                                      batch_size=batch, desc=f"{name}: greedy answers"),
-            "sampled": answer_prompts(model, tokenizer, inputs.chat_ids, settings.answer_tokens, True, settings.seed,
-                                      batch_size=batch, desc=f"{name}: sampled answers"),
+            "sampled": answer_prompts(model, tokenizer, inputs.chat_ids * settings.samples, settings.answer_tokens,
+                                      True, settings.seed, batch_size=batch, desc=f"{name}: sampled answers"),
         }
     finally:
         model.train(was_training)
@@ -275,8 +277,11 @@ def compare_outputs(student: dict, teacher: dict, inputs: AgreementInputs, setti
                  **{who: copy_accuracy(outputs["copy"], repeated)
                     for who, outputs in (("teacher", teacher), ("student", student))}},
         "repetition": {"ngram": REPETITION_NGRAM, "answer_tokens": settings.answer_tokens, "sampling": SAMPLING,
+                       "samples_per_prompt": settings.samples,
                        **{who: {mode: repetition_rate(outputs[mode]) for mode in ("greedy", "sampled")}
                           for who, outputs in (("teacher", teacher), ("student", student))}},
+        # each prompt with its greedy answers and its first sampled ones (the sampled lists hold every prompt
+        # once before any prompt twice, so zip pairs them)
         "answers": [{"prompt": prompt, "teacher": t, "student": s, "teacher_sampled": ts, "student_sampled": ss}
                     for prompt, t, s, ts, ss in zip(inputs.chat_prompts, teacher["greedy"], student["greedy"],
                                                     teacher["sampled"], student["sampled"])],
@@ -315,6 +320,8 @@ def agreement_markdown(agreement: dict, student: str = "student", teacher: str =
     head, sub = "#" * level, "#" * (level + 1)
     cont, rep = agreement["continuation"], agreement["repetition"]
     sampling = ", ".join(f"{k} {v}" for k, v in rep["sampling"].items() if v)  # top_k 0 is no top-k
+    if rep.get("samples_per_prompt", 1) > 1:  # records from before several samples hold one per prompt
+        sampling += f"; {rep['samples_per_prompt']} sampled answers per prompt"
     lines = [
         f"{head} Agreement with the teacher", "",
         f"`{student}` against `{teacher}` on `{agreement['dataset']}`.", "",

@@ -62,6 +62,8 @@ class EvaluateOptions:
     agreement_prompt_tokens: int = dataclasses.field(default=48, metadata={"help": "tokens per continuation prompt"})
     agreement_new_tokens: int = dataclasses.field(default=32, metadata={"help": "greedy tokens per continuation"})
     answer_tokens: int = dataclasses.field(default=64, metadata={"help": "most new tokens of a chat-prompt answer"})
+    agreement_samples: int = dataclasses.field(default=4, metadata={
+        "help": "sampled answers per chat prompt for the sampled repetition rate (the mean over all)"})
     output_dir: str = dataclasses.field(default="evaluation", metadata={"help": "where report.json/report.md go"})
     bf16: bool = dataclasses.field(default=False, metadata={"help": "run the models in bfloat16"})
     seed: int = dataclasses.field(default=0, metadata={
@@ -130,7 +132,7 @@ def agreement_settings(options: EvaluateOptions) -> AgreementSettings:
     return AgreementSettings(seq_len=options.agreement_seq_len, tokens=options.agreement_tokens,
                              prompts=options.agreement_prompts, prompt_tokens=options.agreement_prompt_tokens,
                              new_tokens=options.agreement_new_tokens, answer_tokens=options.answer_tokens,
-                             seed=options.seed).validate()
+                             samples=options.agreement_samples, seed=options.seed).validate()
 
 
 def markdown_report(report: dict) -> str:
