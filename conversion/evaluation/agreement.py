@@ -11,7 +11,7 @@ Four measures, every one on inputs that both models get identically:
   template when the tokenizer has one), greedy and sampled: for one answer, the share of its word n-grams
   (`REPETITION_NGRAM` = 3 words; words are the runs of letters/digits of the lowercased text) that repeat an
   n-gram seen earlier in the same answer, i.e. `1 - distinct / total`; 0 for an answer shorter than n words;
-  the rate of a set of answers is the mean over the answers;
+  the rate of a set of answers is the mean over the answers (the sampled set: `samples` answers per prompt);
 * the teacher's and the student's greedy answers to the same prompts, side by side (`agreement_markdown`);
 * **in-context copying**, of each model alone: the first `copy_windows` teacher-forced windows, cut to `copy_tokens`
   tokens, are each read twice in a row, and the copy accuracy is the share of positions of the second reading
