@@ -251,8 +251,34 @@ def test_distill_trains_on_generated_data_with_the_answer_only_kl(root, tmp_path
     assert (tmp_path / "run" / "model" / "config.json").is_file()
 
 
+def test_bfloat16_weights_write_reproducible_samples_and_a_folder_resumes_only_in_its_dtype(root, tmp_path,
+                                                                                           monkeypatch):
+    dtypes, original = [], generated.generate_batch
+
+    def recording_dtype(model, *args, **kwargs):
+        dtypes.append(next(model.parameters()).dtype)
+        return original(model, *args, **kwargs)
+
+    monkeypatch.setattr(generated, "generate_batch", recording_dtype)
+    record = generate_data(options(root, tmp_path / "bf16", dtype="bfloat16"))
+    assert set(dtypes) == {torch.bfloat16} and record["dtype"] == "bfloat16"
+    generate_data(options(root, tmp_path / "again", dtype="bfloat16"))
+    assert rows(tmp_path / "again") == rows(tmp_path / "bf16")  # the seed decides the samples in bf16 too
+    dtypes.clear()
+    assert generate_data(options(root, tmp_path / "fp32"))["dtype"] == "float32" and set(dtypes) == {torch.float32}
+    with pytest.raises(ValueError, match=r"cannot resume .*: dtype was 'bfloat16', now 'float32'; resume with the same"):
+        generate_data(options(root, tmp_path / "bf16", num_samples=9, resume=True))
+    # a folder written before --dtype existed was float32: it resumes as such, and only as such
+    path = tmp_path / "fp32" / generated.RECORD
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "dtype"}))
+    with pytest.raises(ValueError, match=r"dtype was 'float32', now 'bfloat16'"):
+        generate_data(options(root, tmp_path / "fp32", num_samples=9, resume=True, dtype="bfloat16"))
+    assert generate_data(options(root, tmp_path / "fp32", num_samples=9, resume=True))["dtype"] == "float32"
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--kind", "poems"], "--kind must be one of auto, chat, text, both, got 'poems'"),
+    (["--dtype", "float16"], "--dtype must be one of float32, bfloat16, got 'float16'"),
     (["--top_p", "0"], "--top_p must be in (0, 1] (1 = no nucleus cut), got 0.0"),
     (["--num_samples", "0"], "--num_samples must be a whole number >= 1, got 0"),
 ])

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import os
 import time
@@ -35,8 +36,11 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
+from ..precision import native_bf16
 from .chat import _prompt, chat_rows, packed_chat_rows
 from .text import _check_jsonl
+
+logger = logging.getLogger(__name__)
 
 #: the built-in prompt set: one `{"kind": "chat"|"text", "category": ..., "prompt": ...}` object a line
 PROMPTS_FILE = Path(__file__).with_name("prompts.jsonl")
@@ -46,7 +50,9 @@ GENERATED_PREFIX = "generated:"
 RECORD = "generation.json"
 #: what must be the same to resume a folder (the sample count may grow)
 _FIXED_ON_RESUME = ("teacher", "kinds", "seed", "max_new_tokens", "temperature", "top_p", "shard_size",
-                    "prompts_sha256", "grounded_share", "passages")
+                    "prompts_sha256", "grounded_share", "passages", "dtype")
+#: the teacher's weight types while it writes (`--dtype`); a folder recorded before the option was float32
+DTYPES = ("float32", "bfloat16")
 #: the placeholder of a grounded prompt, replaced by a passage of training text
 PASSAGE = "{passage}"
 #: words per passage of a grounded prompt (from a sentence start; cut at a sentence end where one is near)
@@ -71,6 +77,10 @@ class GenerateOptions:
     temperature: float = dataclasses.field(default=0.7, metadata={"help": "sampling temperature (0 = greedy)"})
     top_p: float = dataclasses.field(default=0.9, metadata={"help": "nucleus sampling: keep the top tokens of this mass"})
     batch_size: int = dataclasses.field(default=8, metadata={"help": "prompts generated together"})
+    dtype: str = dataclasses.field(
+        default="float32", metadata={"help": "the teacher's weights while it writes: float32, or bfloat16 (faster on "
+                                             "a CPU with AMX or AVX512-BF16; its samples may then change with "
+                                             "--batch_size, float32's do not)"})
     grounded_share: float = dataclasses.field(
         default=0.25, metadata={"help": "share of the chat samples that answer a grounded prompt (one holding "
                                         "{passage}: a request about a passage of --passages text); 0 = none"})
@@ -100,6 +110,8 @@ class GenerateOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name} must be a whole number >= 1, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
             raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
@@ -365,6 +377,7 @@ def _open_record(out: Path, settings: dict, num_samples: int) -> dict:
     path = out / RECORD
     if path.is_file():
         record = json.loads(path.read_text())
+        record.setdefault("dtype", "float32")  # written before --dtype existed
         changed = [f"{key} was {record.get(key)!r}, now {settings.get(key)!r}" for key in _FIXED_ON_RESUME
                    if record.get(key) != settings.get(key)]
         if changed:
@@ -397,7 +410,10 @@ def generate_data(options: GenerateOptions) -> dict:
     prompts = load_prompts(options.prompts)
     check_output_folder(options.output_dir, overwrite=options.overwrite, resume=options.resume,
                         force=options.force_overwrite, inputs=(options.teacher, options.prompts))
-    source = load_source(options.teacher, dtype=torch.float32)
+    if options.dtype == "bfloat16" and not native_bf16("cpu"):
+        logger.warning("--dtype bfloat16: this CPU has no native bf16 matmuls (AMX, AVX512-BF16), where bf16 runs many "
+                       "times slower than float32; --dtype float32 is faster here")
+    source = load_source(options.teacher, dtype=getattr(torch, options.dtype))
     model, tokenizer = source.model.eval(), source.tokenizer
     if tokenizer is None:
         raise ValueError(f"the teacher {options.teacher} has no tokenizer; save one into its folder")
@@ -424,7 +440,7 @@ def generate_data(options: GenerateOptions) -> dict:
                 "prompts": "built-in" if not options.prompts else Path(options.prompts).name,
                 "prompts_sha256": _sha256(Path(options.prompts).expanduser() if options.prompts else PROMPTS_FILE),
                 "grounded_share": float(options.grounded_share) if grounded else None,
-                "passages": options.passages if grounded else None}
+                "passages": options.passages if grounded else None, "dtype": options.dtype}
     record = _open_record(out, settings, options.num_samples)
 
     size, count = options.shard_size, options.num_samples
