@@ -80,7 +80,7 @@ class GenerateOptions:
     dtype: str = dataclasses.field(
         default="float32", metadata={"help": "the teacher's weights while it writes: float32, or bfloat16 (faster on "
                                              "a CPU with AMX or AVX512-BF16; its samples may then change with "
-                                             "--batch_size, float32's do not)"})
+                                             "--batch_size, which float32's hardly ever do)"})
     grounded_share: float = dataclasses.field(
         default=0.25, metadata={"help": "share of the chat samples that answer a grounded prompt (one holding "
                                         "{passage}: a request about a passage of --passages text); 0 = none"})
