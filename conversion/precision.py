@@ -27,15 +27,16 @@ def native_bf16(device: str | torch.device = "cpu") -> bool:
 
 
 @functools.cache
-def _warn_emulated(what: str) -> None:
+def warn_emulated_bf16(what: str, outcome: str = "using float32") -> None:
+    """Warn once per (`what`, `outcome`) that this CPU only emulates bf16 matmuls; `outcome` says what happens."""
     logger.warning("%s: this CPU has no native bf16 matmuls (AMX, AVX512-BF16), where bf16 runs many times slower "
-                   "than float32; using float32", what)
+                   "than float32; %s", what, outcome)
 
 
 def autocast(enabled: bool):
     """bf16 autocast on CPU when `enabled` and the CPU multiplies bf16 natively; otherwise nothing (float32)."""
     if enabled and not native_bf16("cpu"):
-        _warn_emulated("bf16 autocast")
+        warn_emulated_bf16("bf16 autocast")
         enabled = False
     return torch.autocast("cpu", dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
 
@@ -48,7 +49,7 @@ def resolve_mixed_precision(mixed_precision: str, device: str | torch.device) ->
     if native_bf16(device):
         return "bf16"
     if torch.device(device).type == "cpu":
-        _warn_emulated("--mixed_precision auto")
+        warn_emulated_bf16("--mixed_precision auto")
     return "no"
 
 
@@ -62,4 +63,4 @@ def check_cpu_mixed_precision(mixed_precision: str) -> None:
                          f"{CPU_MIXED_PRECISIONS[-1]}, got {mixed_precision!r}")
 
 
-__all__ = ["autocast", "check_cpu_mixed_precision", "native_bf16", "resolve_mixed_precision"]
+__all__ = ["autocast", "check_cpu_mixed_precision", "native_bf16", "resolve_mixed_precision", "warn_emulated_bf16"]

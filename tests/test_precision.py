@@ -14,13 +14,13 @@ from test_training import BLOCKS, causal_lm_loss, train
 @pytest.fixture
 def cpu_bf16(monkeypatch):
     """Fake the CPU: `cpu_bf16(False)` is a CPU without AMX / AVX512-BF16, `cpu_bf16(True)` one with them."""
-    precision._warn_emulated.cache_clear()
+    precision.warn_emulated_bf16.cache_clear()
 
     def fake(native: bool):
         monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
 
     yield fake
-    precision._warn_emulated.cache_clear()
+    precision.warn_emulated_bf16.cache_clear()
 
 
 def test_auto_is_bf16_only_where_bf16_is_native(cpu_bf16, caplog):

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import logging
 import math
 import os
 import time
@@ -36,11 +35,9 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-from ..precision import native_bf16
+from ..precision import native_bf16, warn_emulated_bf16
 from .chat import _prompt, chat_rows, packed_chat_rows
 from .text import _check_jsonl
-
-logger = logging.getLogger(__name__)
 
 #: the built-in prompt set: one `{"kind": "chat"|"text", "category": ..., "prompt": ...}` object a line
 PROMPTS_FILE = Path(__file__).with_name("prompts.jsonl")
@@ -411,8 +408,7 @@ def generate_data(options: GenerateOptions) -> dict:
     check_output_folder(options.output_dir, overwrite=options.overwrite, resume=options.resume,
                         force=options.force_overwrite, inputs=(options.teacher, options.prompts))
     if options.dtype == "bfloat16" and not native_bf16("cpu"):
-        logger.warning("--dtype bfloat16: this CPU has no native bf16 matmuls (AMX, AVX512-BF16), where bf16 runs many "
-                       "times slower than float32; --dtype float32 is faster here")
+        warn_emulated_bf16("--dtype bfloat16", "--dtype float32 is faster here")
     source = load_source(options.teacher, dtype=getattr(torch, options.dtype))
     model, tokenizer = source.model.eval(), source.tokenizer
     if tokenizer is None:
