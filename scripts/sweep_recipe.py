@@ -6,7 +6,8 @@ variant of the grid (`VARIANTS`, `--variants` picks some) is distilled in the sa
 `--stage1_tokens`/`--stage2_tokens` for exactly comparable runs. A variant is a dict of overrides of the baseline,
 the current defaults: `distill` options (learning rates, stage-1 parameters, KL temperature), LoRA options (rank,
 targets), the training text (`dataset`; `{dataset}` and `{generated}` are filled in from the options), the layer
-plan (`keep_attention`; `{keep_attention}` likewise), `stage1_share`, the share of the budget spent in stage 1
+plan (`keep_attention`; `{keep_attention}` likewise) and the other `convert` options in `CONVERT_KEYS` (the delta
+layers' gate, negative eigenvalues; each distinct conversion is made once), `stage1_share`, the share of the budget spent in stage 1
 (with fixed token budgets: of their sum), and `seed` (data order and LoRA init: `baseline-seed-1` measures the
 spread between two runs of one recipe, the margin a winner must beat).
 
@@ -59,6 +60,10 @@ VARIANTS = {
     # the most varied training corpus (Brown: 15 genres) at 0.7 instead of 0.4: does text of other domains gain?
     "data-brown-0.7": {"dataset": "builtin:train:sotu=0.15,shakespeare=0.15,brown=0.7"},
     "layers-uniform": {"keep_attention": "{keep_attention}"},
+    # the delta layers themselves (convert options): one decay per key channel (KDA) instead of one per head, and
+    # beta in (0, 2) (negative eigenvalues of the state transition)
+    "gate-channel": {"gate": "channel"},
+    "neg-eigval": {"allow_neg_eigval": True},
     "baseline-seed-1": {"seed": 1},  # the baseline on another data order and LoRA init: the noise between runs
     # the fifth sitting's narrow leader on seed 1 (1.86x, as the baseline on seed 1: not adopted)
     "stage2-new-params-lr-3e-3-seed-1": {"stage2_new_params_lr": 3e-3, "seed": 1},
@@ -66,8 +71,10 @@ VARIANTS = {
 }
 #: the baseline's layer plan (convert's default form): the share `--keep_attention` chosen by `auto:`
 BASELINE_PLAN = "auto:{keep_attention}"
+#: override keys that are `convert` options: a variant with any of them distils its own conversion
+CONVERT_KEYS = ("keep_attention", "gate", "allow_neg_eigval")
 #: override keys that are neither `distill` nor LoRA options
-RUN_KEYS = ("stage1_share", "dataset", "keep_attention", "seed")
+RUN_KEYS = ("stage1_share", "dataset", "seed", *CONVERT_KEYS)
 #: `distill` options the sweep sets the same for every variant (the budget, the folders, the evaluation texts)
 FIXED_KEYS = ("student", "teacher", "output_dir", "overwrite", "stage1_tokens", "stage2_tokens", "eval_tokens",
               "eval_dataset", "crossdomain_dataset")
@@ -195,8 +202,7 @@ def check_options(options: SweepRecipeOptions) -> list[str]:
             raise ValueError(f"variant {name}: stage1_share must lie in (0, 1), got {share}")
         LoraOptions(**{k: v for k, v in overrides.items() if k in lora_fields}).validate()
         _data(options, overrides).validate()
-        ConversionSettings(keep_attention=overrides.get("keep_attention", _fill(BASELINE_PLAN, options)),
-                           init=options.init).validate()
+        ConversionSettings(**_conversion(options, name), init=options.init).validate()
     check_output_folder(options.output_dir, overwrite=options.overwrite, resume=options.resume,
                         inputs=(options.teacher, options.generated or None))
     return names
@@ -223,8 +229,18 @@ def _budget(options: SweepRecipeOptions, overrides: dict) -> BenchDistillOptions
                                mixed_precision=options.mixed_precision, stage1_tokens=stage1, stage2_tokens=stage2)
 
 
-def _plan_folder(keep_attention: str) -> str:
-    return "keep-" + keep_attention.replace(":", "-")
+def _conversion(options: SweepRecipeOptions, name: str) -> dict:
+    """The `convert` options of variant `name`'s student: the baseline's layer plan (convert's defaults for the rest)
+    with the variant's `CONVERT_KEYS` overrides."""
+    overrides = _overrides(options, name)
+    return {"keep_attention": _fill(BASELINE_PLAN, options),
+            **{key: overrides[key] for key in CONVERT_KEYS if key in overrides}}
+
+
+def _conversion_folder(conversion: dict) -> str:
+    """The folder name of a conversion: `keep-auto-0.25`, then `-KEY-VALUE` per other option (`...-gate-channel`)."""
+    name = "keep-" + conversion["keep_attention"].replace(":", "-")
+    return name + "".join(f"-{key}-{value}" for key, value in conversion.items() if key != "keep_attention")
 
 
 def recipe_defaults() -> dict:
@@ -282,9 +298,10 @@ def winner_flags(variant: dict) -> list[str]:
     flags (a changed stage split as the token budgets it ran)."""
     overrides, s = variant["overrides"], variant["scores"]
     lines = []
-    if "keep_attention" in overrides:
-        lines.append(f"delta-attention convert TEACHER --keep_attention {overrides['keep_attention']} --out STUDENT")
-    flags = [f"--{key} {value}" for key, value in overrides.items() if key not in ("stage1_share", "keep_attention")]
+    converting = [f"--{key} {value}" for key, value in overrides.items() if key in CONVERT_KEYS]
+    if converting:
+        lines.append(" ".join(["delta-attention convert TEACHER", *converting, "--out STUDENT"]))
+    flags = [f"--{key} {value}" for key, value in overrides.items() if key != "stage1_share" and key not in CONVERT_KEYS]
     if "stage1_share" in overrides:
         flags = [f"--stage1_tokens {s['stage1_tokens']}", f"--stage2_tokens {s['stage2_tokens']}", *flags]
     lines.append(" ".join(["delta-attention distill STUDENT", *flags]) + ("" if flags else "  (the defaults)"))
@@ -336,13 +353,13 @@ def run(options: SweepRecipeOptions) -> int:
     folder = open_run_folder(Path(options.output_dir), "sweep-recipe", overwrite=options.overwrite,
                              resume=options.resume)
     out = folder.work
-    plans = sorted({_fill(VARIANTS[n].get("keep_attention", BASELINE_PLAN), options) for n in names})
+    conversions = {_conversion_folder(c): c for c in (_conversion(options, n) for n in names)}
     source = None
-    for plan in plans:
-        converted = out / "converted" / _plan_folder(plan)
+    for folder_name, conversion in sorted(conversions.items()):
+        converted = out / "converted" / folder_name
         if not converted.is_dir():
             source = source or load_source(teacher, dtype=torch.float32)
-            convert(source, out=converted, settings=ConversionSettings(keep_attention=plan, init=options.init,
+            convert(source, out=converted, settings=ConversionSettings(**conversion, init=options.init,
                                                                        dtype="float32"))
     del source
     report = {"threads": torch.get_num_threads(), "rule": RULE, "tie_margin": options.tie_margin,
@@ -358,9 +375,8 @@ def run(options: SweepRecipeOptions) -> int:
             verb = "reused"
         else:
             continuing = start_part(place, settings)
-            plan = _fill(VARIANTS[name].get("keep_attention", BASELINE_PLAN), options)
-            done = {"settings": settings, **run_variant(place, out / "converted" / _plan_folder(plan), teacher,
-                                                        options, name, resume=continuing)}
+            converted = out / "converted" / _conversion_folder(_conversion(options, name))
+            done = {"settings": settings, **run_variant(place, converted, teacher, options, name, resume=continuing)}
             write_json(place / RESULT_FILE, done)
             verb = "ran"
         if not options.keep_checkpoints:

@@ -149,6 +149,40 @@ def test_a_variant_may_not_change_what_every_variant_shares(tmp_path, monkeypatc
             sweep.check_options(SweepRecipeOptions(output_dir=str(tmp_path / "o"), variants=name))
 
 
+def test_convert_option_variants_distil_their_own_conversion(inputs, tmp_path, monkeypatch, capsys):
+    """`gate-channel` and `neg-eigval` change the delta layers: each distils its own conversion with that option,
+    the baseline keeps its folder (so earlier sweeps resume), and the winner's recipe starts with that convert."""
+    from transformers import AutoConfig
+
+    used = {}
+
+    def scored(folder, converted, teacher, options, name, resume=False):
+        used[name] = converted
+        ratio = {"baseline": 1.5, "gate-channel": 1.3, "neg-eigval": 1.6}[name]
+        return {"overrides": sweep._overrides(options, name), "results": {}, "scores": {
+            "heldout_ppl": 2.0, "teacher_ppl": 1.0, "heldout_ratio": 2.0, "crossdomain_ppl": ratio,
+            "teacher_crossdomain_ppl": 1.0, "crossdomain_ratio": ratio, "top1_agreement": 0.5,
+            "continuation_prefix": 1.0, "stage1_tokens": 256, "stage2_tokens": 256, "wall_seconds": 1.0}}
+
+    monkeypatch.setattr(sweep, "run_variant", scored)
+    out = tmp_path / "sweep"
+    assert sweep.run(tiny_sweep(inputs, out, variants="baseline,gate-channel,neg-eigval")) == 0
+    converted = out / "converted"
+    assert sorted(p.name for p in converted.iterdir()) == [
+        "keep-auto-0.25", "keep-auto-0.25-allow_neg_eigval-True", "keep-auto-0.25-gate-channel"]
+    assert used == {"baseline": converted / "keep-auto-0.25", "gate-channel": converted / "keep-auto-0.25-gate-channel",
+                    "neg-eigval": converted / "keep-auto-0.25-allow_neg_eigval-True"}
+    configs = {name: AutoConfig.from_pretrained(folder, trust_remote_code=True) for name, folder in used.items()}
+    assert [configs[n].linear_gate for n in used] == ["scalar", "channel", "scalar"]
+    assert [configs[n].linear_allow_neg_eigval for n in used] == [False, False, True]
+    assert configs["gate-channel"].layer_types == configs["baseline"].layer_types  # the same plan
+    printed = capsys.readouterr().out
+    assert "winner: gate-channel; its recipe:" in printed
+    assert "delta-attention convert TEACHER --gate channel --out STUDENT" in printed
+    assert "delta-attention distill STUDENT  (the defaults)" in printed
+    assert sweep.check_options(tiny_sweep(inputs, tmp_path / "other", variants="gate-channel")) == ["gate-channel"]
+
+
 def test_seed_variant_changes_only_the_seed_of_the_data_order(inputs, tmp_path, monkeypatch):
     """`baseline-seed-1` is the baseline on another seed (data order and LoRA init): the spread between runs."""
     options = tiny_sweep(inputs, tmp_path / "sweep", variants="baseline,baseline-seed-1")
