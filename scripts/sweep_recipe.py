@@ -7,9 +7,9 @@ variant of the grid (`VARIANTS`, `--variants` picks some) is distilled in the sa
 the current defaults: `distill` options (learning rates, stage-1 parameters, KL temperature), LoRA options (rank,
 targets), the training text (`dataset`; `{dataset}` and `{generated}` are filled in from the options), the layer
 plan (`keep_attention`; `{keep_attention}` likewise) and the other `convert` options in `CONVERT_KEYS` (the delta
-layers' gate, negative eigenvalues; each distinct conversion is made once), `stage1_share`, the share of the budget spent in stage 1
-(with fixed token budgets: of their sum), and `seed` (data order and LoRA init: `baseline-seed-1` measures the
-spread between two runs of one recipe, the margin a winner must beat).
+layers' gate, negative eigenvalues; each distinct conversion is made once), `stage1_share`, the share of the budget
+spent in stage 1 (with fixed token budgets: of their sum), and `seed` (data order and LoRA init: `baseline-seed-1`
+measures the spread between two runs of one recipe, the margin a winner must beat).
 
 Every variant is scored at the end of stage 2 by its cross-domain perplexity (`--crossdomain_dataset`, corpora held
 out of training whole), its teacher-forced top-1 agreement with the teacher on that text, and its in-domain
@@ -303,7 +303,8 @@ def winner_flags(variant: dict) -> list[str]:
     converting = [f"--{key} {value}" for key, value in overrides.items() if key in CONVERT_KEYS]
     if converting:
         lines.append(" ".join(["delta-attention convert TEACHER", *converting, "--out STUDENT"]))
-    flags = [f"--{key} {value}" for key, value in overrides.items() if key != "stage1_share" and key not in CONVERT_KEYS]
+    flags = [f"--{key} {value}" for key, value in overrides.items()
+             if key != "stage1_share" and key not in CONVERT_KEYS]
     if "stage1_share" in overrides:
         flags = [f"--stage1_tokens {s['stage1_tokens']}", f"--stage2_tokens {s['stage2_tokens']}", *flags]
     lines.append(" ".join(["delta-attention distill STUDENT", *flags]) + ("" if flags else "  (the defaults)"))
