@@ -63,6 +63,11 @@ class DeltaConfig(PreTrainedConfig):
             beta in (0, 2) instead of (0, 1).
         linear_gate_low_rank_dim (`int`, *optional*):
             Rank of the per-channel decay projection (channel gate only); defaults to `linear_key_head_dim`.
+        linear_log_decay_floor (`float`, *optional*):
+            Lower bound of the per-token log-decay (a negative number; `None`: unbounded). A token then keeps at
+            least exp(floor) of the state. With the channel gate, -3.5 or above keeps every run of 16 tokens within
+            the exact range of the fast chunk kernel (a decay of e^-60); steeper decays take the slow exact path.
+            `convert --gate channel` sets -3.5.
         linear_chunk_size (`int`, defaults to 64):
             Chunk length of the chunkwise kernel.
         linear_state_sharing (`str`, defaults to `"head"`):
@@ -119,6 +124,7 @@ class DeltaConfig(PreTrainedConfig):
     linear_output_gate_activation: str | None = None
     linear_allow_neg_eigval: bool = False
     linear_gate_low_rank_dim: int | None = None
+    linear_log_decay_floor: float | None = None
     linear_chunk_size: int = 64
     linear_state_sharing: str = "head"
 
@@ -212,6 +218,11 @@ class DeltaConfig(PreTrainedConfig):
         if self.linear_conv_activation not in CONV_ACTIVATIONS:
             raise ValueError(
                 f"`linear_conv_activation` must be one of {list(CONV_ACTIVATIONS)}, got {self.linear_conv_activation!r}."
+            )
+        if self.linear_log_decay_floor is not None and not self.linear_log_decay_floor < 0:
+            raise ValueError(
+                f"`linear_log_decay_floor` must be a negative number (or None for no floor), "
+                f"got {self.linear_log_decay_floor!r}."
             )
         if self.linear_output_gate_activation not in OUTPUT_GATE_ACTIVATIONS:
             raise ValueError(

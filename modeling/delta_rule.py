@@ -27,7 +27,7 @@ import logging
 
 import torch
 
-from .delta_chunk import channel_decay_fits, fast_chunk_delta_rule
+from .delta_chunk import FAST_LOG_DECAY_FLOOR, channel_decay_fits, fast_chunk_delta_rule
 from .delta_fla import fla_delta_rule, fla_unavailable
 from .delta_reference import chunk_delta_rule_elementwise, delta_rule_reference, expand_decay, gate_kind
 from .delta_reference import head_groups, start_state
@@ -174,7 +174,9 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
         state = start_state(initial_state, batch, heads, key_dim, value_dim, q.device)
         return v.new_zeros(batch, 0, heads * groups, value_dim), state
     if gate == "channel" and implementation != "elementwise" and not channel_decay_fits(g, chunk_size):
-        _log_once("plain chunked form: a per-channel decay too steep for factorised scores (> e^-60 per 16 tokens)")
+        _log_once("plain chunked form (exact but several times slower): a per-channel decay too steep for the fast "
+                  "kernel's factorised scores (> e^-60 per 16 tokens); set the config's `linear_log_decay_floor` "
+                  f"(e.g. {FAST_LOG_DECAY_FLOOR}) to bound it", logging.WARNING)
         implementation = "elementwise"
     if implementation == "auto" and _use_fla(q, allow_bf16):
         return fla_delta_rule(q, k, v, beta, g, initial_state, scale, gate=gate)

@@ -233,6 +233,7 @@ class DeltaAttention(nn.Module):
         self.conv_kernel_size = config.linear_conv_kernel_size
         self.chunk_size = config.linear_chunk_size
         self.allow_neg_eigval = config.linear_allow_neg_eigval
+        self.log_decay_floor = config.linear_log_decay_floor
         hidden = config.hidden_size
 
         self.q_proj = DeltaLinear(hidden, self.key_dim, bias=config.attention_bias)
@@ -368,12 +369,15 @@ class DeltaAttention(nn.Module):
 
     def _decay_map(self, a: torch.Tensor) -> torch.Tensor:
         # Mamba2-style log-decay g = -exp(A_log) * softplus(a + dt_bias) of the gate input a, per state (Hs):
-        # a [..., Hs] -> g [..., Hs] (scalar gate); a [..., Hs * K] -> g [..., Hs, K] (channel gate)
+        # a [..., Hs] -> g [..., Hs] (scalar gate); a [..., Hs * K] -> g [..., Hs, K] (channel gate);
+        # clamped to at least `linear_log_decay_floor` where the config sets one
         a = a.float() + self.dt_bias.float()
         if self.gate == "scalar":
-            return -self.A_log.float().exp() * F.softplus(a)
-        a = a.unflatten(-1, (self.num_state_heads, self.key_head_dim))
-        return -self.A_log.float().exp()[:, None] * F.softplus(a)
+            log_decay = -self.A_log.float().exp() * F.softplus(a)
+        else:
+            a = a.unflatten(-1, (self.num_state_heads, self.key_head_dim))
+            log_decay = -self.A_log.float().exp()[:, None] * F.softplus(a)
+        return log_decay if self.log_decay_floor is None else log_decay.clamp(min=self.log_decay_floor)
 
     def _log_decay(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         # [B, T, hidden] -> log-decay [B, T, Hs] (scalar gate) or [B, T, Hs, K] (channel gate); None without a gate

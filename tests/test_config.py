@@ -52,6 +52,7 @@ def test_round_trip_through_dict():
          r"`layer_types` has 3 entries but `num_hidden_layers` is 4"),
         (dict(num_key_value_heads=3),
          r"`num_attention_heads` \(4\) must be divisible by `num_key_value_heads` \(3\)"),
+        (dict(linear_log_decay_floor=0.0), r"`linear_log_decay_floor` must be a negative number .*got 0.0"),
         (dict(linear_gate="mamba"),
          r"`linear_gate` must be one of \['none', 'scalar', 'channel'\].*got 'mamba'"),
         (dict(layer_types=["linear_attention", "sliding_attention", "full_attention", "linear_attention"]),

@@ -143,6 +143,8 @@ def test_other_gates_convert_and_run(gate):
     source = tiny_source("llama")
     result = convert_model(source, ConversionSettings(keep_attention="0", gate=gate, **FAST), progress=False)
     assert result.model.config.linear_gate == gate
+    # the channel gate gets the log-decay floor that keeps trained decays in the fast kernel's exact range
+    assert result.model.config.linear_log_decay_floor == (-3.5 if gate == "channel" else None)
     with torch.no_grad():
         assert torch.isfinite(result.model(input_ids()).logits).all()
 

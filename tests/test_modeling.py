@@ -151,3 +151,36 @@ def test_model_options_keep_cached_and_full_forward_equal(options):
     if options.get("attention_bias"):
         assert model.model.layers[0].self_attn.q_proj.bias is not None
         assert model.model.layers[0].self_attn.o_proj.bias is None
+
+
+@pytest.mark.parametrize("floor", [None, -3.5])
+def test_log_decay_floor_keeps_steep_channel_gates_in_the_fast_kernel(monkeypatch, floor):
+    """A trained channel gate can decay by e^-20 per token; the floor clamps the per-token log-decay, so the
+    fast chunk kernel stays exact (no fallback to the elementwise form) and decode still equals the full
+    forward. Without a floor the same gate falls back."""
+    from delta_attention.modeling import delta_rule
+
+    model = build("all_delta", gate="channel", linear_log_decay_floor=floor)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.dt_bias.fill_(20.0)  # softplus(20 + a) ~ 20: log-decay ~ -20 per token
+    input_ids = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(5))
+    attn = model.model.layers[0].self_attn
+    log_decay = attn._log_decay(model.model.embed_tokens(input_ids))
+    if floor is None:
+        assert log_decay.min() < -15
+    else:
+        assert log_decay.min() == floor and (log_decay >= floor).all()
+
+    fallbacks = []
+    original = delta_rule.chunk_delta_rule_elementwise
+    monkeypatch.setattr(delta_rule, "chunk_delta_rule_elementwise",
+                        lambda *args, **kwargs: fallbacks.append(1) or original(*args, **kwargs))
+    model.train()
+    loss = model(input_ids, labels=input_ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert bool(fallbacks) == (floor is None)
+    model.eval()
+    full, stepped, _ = prefill_then_decode(model, input_ids, 25)
+    assert (stepped - full).abs().max() <= 1e-4

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 
 from delta_attention.modeling import DeltaConfig
+from delta_attention.modeling.delta_chunk import FAST_LOG_DECAY_FLOOR
 
 
 @dataclasses.dataclass
@@ -98,6 +99,8 @@ def delta_config_from_source(source_config, layer_types: list[str], options: Del
         linear_output_gate=options.output_gate,
         linear_output_gate_activation="silu",
         linear_allow_neg_eigval=options.allow_neg_eigval,
+        # trained per-channel decays otherwise grow steep enough to leave the fast kernel (see delta_chunk.py)
+        linear_log_decay_floor=FAST_LOG_DECAY_FLOOR if options.gate == "channel" else None,
         linear_chunk_size=options.chunk_size,
         linear_state_sharing="kv_head" if options.gqa_state else "head",
         **_token_ids(cfg),
