@@ -60,9 +60,11 @@ VARIANTS = {
     # the most varied training corpus (Brown: 15 genres) at 0.7 instead of 0.4: does text of other domains gain?
     "data-brown-0.7": {"dataset": "builtin:train:sotu=0.15,shakespeare=0.15,brown=0.7"},
     "layers-uniform": {"keep_attention": "{keep_attention}"},
-    # the delta layers themselves (convert options): one decay per key channel (KDA) instead of one per head, and
-    # beta in (0, 2) (negative eigenvalues of the state transition)
+    # the delta layers themselves (convert options): one decay per key channel (KDA; the default since the ninth
+    # sitting, so now the baseline's) or one per head (Gated DeltaNet, the default before), and beta in (0, 2)
+    # (negative eigenvalues of the state transition)
     "gate-channel": {"gate": "channel"},
+    "gate-scalar": {"gate": "scalar"},
     "neg-eigval": {"allow_neg_eigval": True},
     "baseline-seed-1": {"seed": 1},  # the baseline on another data order and LoRA init: the noise between runs
     # the fifth sitting's narrow leader on seed 1 (1.86x, as the baseline on seed 1: not adopted)
@@ -246,14 +248,42 @@ def _conversion_folder(conversion: dict) -> str:
 
 
 def recipe_defaults() -> dict:
-    """The current defaults of the `distill` and LoRA options that the variants change: every variant (the baseline
-    too) is these defaults plus its overrides, so once a default changes no earlier result is reused."""
+    """The current defaults of the `convert`, `distill` and LoRA options that the variants change: every variant
+    (the baseline too) is these defaults plus its overrides, so once a default changes no earlier result is
+    reused."""
+    from delta_attention.conversion.converter.pipeline import ConversionSettings
     from delta_attention.conversion.training.distill import DISTILL_LORA_DROPOUT, DISTILL_LORA_TARGETS, DistillOptions
     from delta_attention.conversion.training.lora import LoraOptions
 
     lora = LoraOptions().resolved(DISTILL_LORA_TARGETS, DISTILL_LORA_DROPOUT)
-    defaults = {**{f.name: f.default for f in dataclasses.fields(DistillOptions)}, **dataclasses.asdict(lora)}
+    converting = {f.name: f.default for f in dataclasses.fields(ConversionSettings)
+                  if f.name in CONVERT_KEYS and f.name != "keep_attention"}  # the plan is the sweep's own option
+    defaults = {**{f.name: f.default for f in dataclasses.fields(DistillOptions)}, **dataclasses.asdict(lora),
+                **converting}
     return {key: defaults[key] for key in sorted({k for o in VARIANTS.values() for k in o} & set(defaults))}
+
+
+def check_conversions(output_dir: Path, conversions: dict, init: str) -> None:
+    """Refuse to reuse a conversion of an earlier sweep in `output_dir` (`--resume`) that was made with other
+    `convert` options, as after a default changed, or without the channel gate's log-decay floor: before anything
+    is written. `conversions` maps folder names to `_conversion` dicts."""
+    from delta_attention.conversion.converter.target_config import log_decay_floor
+
+    defaults = recipe_defaults()
+    for folder_name, conversion in conversions.items():
+        converted = output_dir / "converted" / folder_name
+        record, config = read_json(converted / "conversion.json"), read_json(converted / "config.json")
+        if record is None or config is None:
+            continue
+        wanted = {"gate": defaults["gate"], "allow_neg_eigval": defaults["allow_neg_eigval"], **conversion,
+                  "init": init}
+        found = {key: record["settings"].get(key) for key in wanted}
+        found["log-decay floor"] = config.get("linear_log_decay_floor")
+        wanted["log-decay floor"] = log_decay_floor(wanted["gate"])
+        differ = [f"{key} {found[key]!r} there, {wanted[key]!r} now" for key in wanted if found[key] != wanted[key]]
+        if differ:
+            raise ValueError(f"{converted} was converted with other options ({'; '.join(differ)}): continue this "
+                             f"sweep in a new --output_dir (or delete that folder to convert it again).")
 
 
 def _settings(options: SweepRecipeOptions, name: str) -> dict:
@@ -353,10 +383,12 @@ def run(options: SweepRecipeOptions) -> int:
 
     names = check_options(options)
     teacher = options.teacher or str(smollm2_gguf_path())
+    conversions = {_conversion_folder(c): c for c in (_conversion(options, n) for n in names)}
+    if options.resume:
+        check_conversions(Path(options.output_dir), conversions, options.init)
     folder = open_run_folder(Path(options.output_dir), "sweep-recipe", overwrite=options.overwrite,
                              resume=options.resume)
     out = folder.work
-    conversions = {_conversion_folder(c): c for c in (_conversion(options, n) for n in names)}
     source = None
     for folder_name, conversion in sorted(conversions.items()):
         converted = out / "converted" / folder_name

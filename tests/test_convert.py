@@ -138,11 +138,12 @@ def test_calibration_sets_output_norm_and_fits_head_scales():
         assert len(info.losses) == 20 and info.error < info.error_before_steps
 
 
-@pytest.mark.parametrize("gate", ["none", "channel"])
-def test_other_gates_convert_and_run(gate):
+@pytest.mark.parametrize("gate", ["none", "scalar", "channel"])
+def test_every_gate_converts_and_runs(gate):
     source = tiny_source("llama")
     result = convert_model(source, ConversionSettings(keep_attention="0", gate=gate, **FAST), progress=False)
     assert result.model.config.linear_gate == gate
+    assert ConversionSettings().gate == "channel"  # the default since the recipe sweep's ninth sitting
     # the channel gate gets the log-decay floor that keeps trained decays in the fast kernel's exact range
     assert result.model.config.linear_log_decay_floor == (-3.5 if gate == "channel" else None)
     with torch.no_grad():

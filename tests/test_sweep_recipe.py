@@ -150,15 +150,16 @@ def test_a_variant_may_not_change_what_every_variant_shares(tmp_path, monkeypatc
 
 
 def test_convert_option_variants_distil_their_own_conversion(inputs, tmp_path, monkeypatch, capsys):
-    """`gate-channel` and `neg-eigval` change the delta layers: each distils its own conversion with that option,
-    the baseline keeps its folder (so earlier sweeps resume), and the winner's recipe starts with that convert."""
+    """`gate-scalar` and `neg-eigval` change the delta layers: each distils its own conversion with that option,
+    the baseline (the channel gate, convert's default) keeps its folder, and the winner's recipe starts with that
+    convert."""
     from transformers import AutoConfig
 
     used = {}
 
     def scored(folder, converted, teacher, options, name, resume=False):
         used[name] = converted
-        ratio = {"baseline": 1.5, "gate-channel": 1.3, "neg-eigval": 1.6}[name]
+        ratio = {"baseline": 1.5, "gate-scalar": 1.3, "neg-eigval": 1.6}[name]
         return {"overrides": sweep._overrides(options, name), "results": {}, "scores": {
             "heldout_ppl": 2.0, "teacher_ppl": 1.0, "heldout_ratio": 2.0, "crossdomain_ppl": ratio,
             "teacher_crossdomain_ppl": 1.0, "crossdomain_ratio": ratio, "top1_agreement": 0.5,
@@ -166,21 +167,60 @@ def test_convert_option_variants_distil_their_own_conversion(inputs, tmp_path, m
 
     monkeypatch.setattr(sweep, "run_variant", scored)
     out = tmp_path / "sweep"
-    assert sweep.run(tiny_sweep(inputs, out, variants="baseline,gate-channel,neg-eigval")) == 0
+    assert sweep.run(tiny_sweep(inputs, out, variants="baseline,gate-scalar,neg-eigval")) == 0
     converted = out / "converted"
     assert sorted(p.name for p in converted.iterdir()) == [
-        "keep-auto-0.25", "keep-auto-0.25-allow_neg_eigval-True", "keep-auto-0.25-gate-channel"]
-    assert used == {"baseline": converted / "keep-auto-0.25", "gate-channel": converted / "keep-auto-0.25-gate-channel",
+        "keep-auto-0.25", "keep-auto-0.25-allow_neg_eigval-True", "keep-auto-0.25-gate-scalar"]
+    assert used == {"baseline": converted / "keep-auto-0.25", "gate-scalar": converted / "keep-auto-0.25-gate-scalar",
                     "neg-eigval": converted / "keep-auto-0.25-allow_neg_eigval-True"}
     configs = {name: AutoConfig.from_pretrained(folder, trust_remote_code=True) for name, folder in used.items()}
-    assert [configs[n].linear_gate for n in used] == ["scalar", "channel", "scalar"]
+    assert [configs[n].linear_gate for n in used] == ["channel", "scalar", "channel"]
+    assert [configs[n].linear_log_decay_floor for n in used] == [-3.5, None, -3.5]
     assert [configs[n].linear_allow_neg_eigval for n in used] == [False, False, True]
-    assert configs["gate-channel"].layer_types == configs["baseline"].layer_types  # the same plan
+    assert configs["gate-scalar"].layer_types == configs["baseline"].layer_types  # the same plan
     printed = capsys.readouterr().out
-    assert "winner: gate-channel; its recipe:" in printed
-    assert "delta-attention convert TEACHER --gate channel --out STUDENT" in printed
+    assert "winner: gate-scalar; its recipe:" in printed
+    assert "delta-attention convert TEACHER --gate scalar --out STUDENT" in printed
     assert "delta-attention distill STUDENT  (the defaults)" in printed
-    assert sweep.check_options(tiny_sweep(inputs, tmp_path / "other", variants="gate-channel")) == ["gate-channel"]
+    assert sweep.recipe_defaults()["gate"] == "channel"  # a change of convert's default is a change of recipe
+    assert sweep.check_options(tiny_sweep(inputs, tmp_path / "other", variants="gate-scalar")) == ["gate-scalar"]
+
+
+def test_resume_refuses_a_conversion_made_with_other_options(inputs, tmp_path, monkeypatch):
+    """A sweep folder from before a convert default changed (its baseline converted with the scalar gate), or a
+    channel-gate conversion without the log-decay floor, is refused on --resume before anything is written."""
+    runs = []
+
+    def scored(folder, converted, teacher, options, name, resume=False):
+        runs.append(name)
+        return {"overrides": {}, "results": {}, "scores": {
+            "heldout_ppl": 2.0, "teacher_ppl": 1.0, "heldout_ratio": 2.0, "crossdomain_ppl": 1.5,
+            "teacher_crossdomain_ppl": 1.0, "crossdomain_ratio": 1.5, "top1_agreement": 0.5,
+            "continuation_prefix": 1.0, "stage1_tokens": 256, "stage2_tokens": 256, "wall_seconds": 1.0}}
+
+    monkeypatch.setattr(sweep, "run_variant", scored)
+    out = tmp_path / "sweep"
+    assert sweep.run(tiny_sweep(inputs, out, variants="baseline")) == 0
+    baseline = out / "converted" / "keep-auto-0.25"
+    record = json.loads((baseline / "conversion.json").read_text())
+    config = json.loads((baseline / "config.json").read_text())
+    assert (record["settings"]["gate"], config["linear_log_decay_floor"]) == ("channel", -3.5)
+    # an old sweep's baseline: the scalar gate, no floor; its result no longer counts (the recipe changed)
+    record["settings"]["gate"], config["linear_log_decay_floor"] = "scalar", None
+    (baseline / "conversion.json").write_text(json.dumps(record))
+    (baseline / "config.json").write_text(json.dumps(config))
+    (out / "variants" / "baseline" / "result.json").unlink()
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    with pytest.raises(ValueError, match=r"keep-auto-0.25 was converted with other options \(gate 'scalar' there, "
+                                         r"'channel' now; log-decay floor None there, -3.5 now\): continue this "
+                                         r"sweep in a new --output_dir"):
+        sweep.run(tiny_sweep(inputs, out, resume=True, variants="baseline"))
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before and runs == ["baseline"]
+    # the floor alone: a channel-gate conversion made before it existed
+    record["settings"]["gate"] = "channel"
+    (baseline / "conversion.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"\(log-decay floor None there, -3.5 now\)"):
+        sweep.run(tiny_sweep(inputs, out, resume=True, variants="baseline"))
 
 
 def test_seed_variant_changes_only_the_seed_of_the_data_order(inputs, tmp_path, monkeypatch):

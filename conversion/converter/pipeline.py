@@ -61,7 +61,9 @@ class ConversionSettings:
         default=True, metadata={"help": "auto: always keep layer 0 as softmax (--no_keep_first_layer to rank it too)"}
     )
     gate: str = dataclasses.field(
-        default="scalar", metadata={"help": "delta decay: none (DeltaNet) | scalar (Gated DeltaNet) | channel (KDA)"}
+        default="channel",
+        metadata={"help": "delta decay: channel (KDA, one decay per key channel; the default) | scalar (Gated "
+                          "DeltaNet, one per head) | none (DeltaNet)"},
     )
     init: str = dataclasses.field(
         default="calibrated",

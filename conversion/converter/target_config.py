@@ -13,12 +13,18 @@ from delta_attention.modeling.delta_chunk import FAST_LOG_DECAY_FLOOR
 class DeltaOptions:
     """The delta-layer settings a conversion chooses (everything else comes from the source)."""
 
-    gate: str = "scalar"  # none (DeltaNet) | scalar (Gated DeltaNet) | channel (KDA)
+    gate: str = "channel"  # channel (KDA) | scalar (Gated DeltaNet) | none (DeltaNet)
     conv_kernel_size: int = 4  # 0 = no short conv
     output_gate: bool = True
     allow_neg_eigval: bool = False
     chunk_size: int = 64
     gqa_state: bool = False  # one state per KV head, read by its group of query heads (else one per query head)
+
+
+def log_decay_floor(gate: str) -> float | None:
+    """The `linear_log_decay_floor` a conversion sets: the fast kernel's floor for the channel gate, else none
+    (trained per-channel decays otherwise grow steep enough to leave the fast kernel; see delta_chunk.py)."""
+    return FAST_LOG_DECAY_FLOOR if gate == "channel" else None
 
 
 def _bias_flags(source_config, model=None) -> tuple[bool, bool]:
@@ -99,12 +105,11 @@ def delta_config_from_source(source_config, layer_types: list[str], options: Del
         linear_output_gate=options.output_gate,
         linear_output_gate_activation="silu",
         linear_allow_neg_eigval=options.allow_neg_eigval,
-        # trained per-channel decays otherwise grow steep enough to leave the fast kernel (see delta_chunk.py)
-        linear_log_decay_floor=FAST_LOG_DECAY_FLOOR if options.gate == "channel" else None,
+        linear_log_decay_floor=log_decay_floor(options.gate),
         linear_chunk_size=options.chunk_size,
         linear_state_sharing="kv_head" if options.gqa_state else "head",
         **_token_ids(cfg),
     )
 
 
-__all__ = ["DeltaOptions", "delta_config_from_source"]
+__all__ = ["DeltaOptions", "delta_config_from_source", "log_decay_floor"]
