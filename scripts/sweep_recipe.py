@@ -275,8 +275,7 @@ def check_conversions(output_dir: Path, conversions: dict, init: str) -> None:
         record, config = read_json(converted / "conversion.json"), read_json(converted / "config.json")
         if record is None or config is None:
             continue
-        wanted = {"gate": defaults["gate"], "allow_neg_eigval": defaults["allow_neg_eigval"], **conversion,
-                  "init": init}
+        wanted = {**{key: defaults[key] for key in CONVERT_KEYS if key in defaults}, **conversion, "init": init}
         found = {key: record["settings"].get(key) for key in wanted}
         found["log-decay floor"] = config.get("linear_log_decay_floor")
         wanted["log-decay floor"] = log_decay_floor(wanted["gate"])

@@ -149,6 +149,14 @@ def test_a_variant_may_not_change_what_every_variant_shares(tmp_path, monkeypatc
             sweep.check_options(SweepRecipeOptions(output_dir=str(tmp_path / "o"), variants=name))
 
 
+def scored_result(options, name, ratio):
+    """What a stand-in for `run_variant` returns: variant `name` scored `ratio` (cross-domain, to the teacher)."""
+    return {"overrides": sweep._overrides(options, name), "results": {}, "scores": {
+        "heldout_ppl": 2.0, "teacher_ppl": 1.0, "heldout_ratio": 2.0, "crossdomain_ppl": ratio,
+        "teacher_crossdomain_ppl": 1.0, "crossdomain_ratio": ratio, "top1_agreement": 0.5,
+        "continuation_prefix": 1.0, "stage1_tokens": 256, "stage2_tokens": 256, "wall_seconds": 1.0}}
+
+
 def test_convert_option_variants_distil_their_own_conversion(inputs, tmp_path, monkeypatch, capsys):
     """`gate-scalar` and `neg-eigval` change the delta layers: each distils its own conversion with that option,
     the baseline (the channel gate, convert's default) keeps its folder, and the winner's recipe starts with that
@@ -159,11 +167,7 @@ def test_convert_option_variants_distil_their_own_conversion(inputs, tmp_path, m
 
     def scored(folder, converted, teacher, options, name, resume=False):
         used[name] = converted
-        ratio = {"baseline": 1.5, "gate-scalar": 1.3, "neg-eigval": 1.6}[name]
-        return {"overrides": sweep._overrides(options, name), "results": {}, "scores": {
-            "heldout_ppl": 2.0, "teacher_ppl": 1.0, "heldout_ratio": 2.0, "crossdomain_ppl": ratio,
-            "teacher_crossdomain_ppl": 1.0, "crossdomain_ratio": ratio, "top1_agreement": 0.5,
-            "continuation_prefix": 1.0, "stage1_tokens": 256, "stage2_tokens": 256, "wall_seconds": 1.0}}
+        return scored_result(options, name, {"baseline": 1.5, "gate-scalar": 1.3, "neg-eigval": 1.6}[name])
 
     monkeypatch.setattr(sweep, "run_variant", scored)
     out = tmp_path / "sweep"
@@ -193,10 +197,7 @@ def test_resume_refuses_a_conversion_made_with_other_options(inputs, tmp_path, m
 
     def scored(folder, converted, teacher, options, name, resume=False):
         runs.append(name)
-        return {"overrides": {}, "results": {}, "scores": {
-            "heldout_ppl": 2.0, "teacher_ppl": 1.0, "heldout_ratio": 2.0, "crossdomain_ppl": 1.5,
-            "teacher_crossdomain_ppl": 1.0, "crossdomain_ratio": 1.5, "top1_agreement": 0.5,
-            "continuation_prefix": 1.0, "stage1_tokens": 256, "stage2_tokens": 256, "wall_seconds": 1.0}}
+        return scored_result(options, name, 1.5)
 
     monkeypatch.setattr(sweep, "run_variant", scored)
     out = tmp_path / "sweep"
