@@ -10,7 +10,7 @@ under `--output_dir`.
 `--resume` continues a benchmark in `--output_dir`: the teacher's speed (`teacher.json`) and each finished layout
 (`LAYOUT/result.json`) are reused while their settings are unchanged, and an interrupted distillation continues
 from its last checkpoint (`--checkpoint_every_tokens`) on the token budget it started with; a layout whose settings
-changed starts afresh. An existing folder is refused without `--resume` or `--overwrite`, which swaps the new
+changed starts afresh, `convert`'s options among them (a change of its defaults converts the layout again). An existing folder is refused without `--resume` or `--overwrite`, which swaps the new
 benchmark in once it is done.
 
     python -m delta_attention.scripts.bench_distill --minutes_per_model 60
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .resumable import RESULT_FILE, as_saved, kept, read_json, start_part, write_json
+from .resumable import RESULT_FILE, as_saved, conversion_options, kept, read_json, start_part, write_json
 
 LAYOUTS = {"hybrid": "auto:0.25", "all-delta": "0"}
 
@@ -211,7 +211,9 @@ def run(options: BenchDistillOptions) -> int:
 
     for layout in layouts:
         place = out / layout
-        settings = as_saved({key: getattr(options, key) for key in TRAINING_KEYS} | {"layers": LAYOUTS[layout]})
+        conversion = ConversionSettings(keep_attention=LAYOUTS[layout], dtype="float32")
+        settings = as_saved({key: getattr(options, key) for key in TRAINING_KEYS}
+                            | {"conversion": conversion_options(conversion)})
         done = read_json(place / RESULT_FILE)
         if done is not None and done["settings"] == settings:
             print(f"{layout}: reused from {layout}/{RESULT_FILE}")
@@ -219,8 +221,7 @@ def run(options: BenchDistillOptions) -> int:
             resume = start_part(place, settings)
             converted = place / "converted"
             if not converted.is_dir():
-                convert(source, out=converted, settings=ConversionSettings(keep_attention=LAYOUTS[layout],
-                                                                           dtype="float32"))
+                convert(source, out=converted, settings=conversion)
             done = {"settings": settings, "results": distill_in_budget(
                 place, converted, options.teacher, data, training, options, resume=resume,
                 eval_dataset=options.eval_dataset, crossdomain_dataset=options.crossdomain_dataset,

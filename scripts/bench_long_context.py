@@ -21,7 +21,8 @@ an interrupted variant continues from its last training checkpoint (every `--che
 budget it started with. Measurements are kept point by point as they finish (`measurements.json`, the teacher's in
 `--output_dir`, a variant's in its folder: the long document, each passkey length, each decode context), so a
 resumed run, or one that asks for more lengths or contexts, measures only the points it lacks. A variant whose
-training settings changed starts afresh, its points with it. `--overwrite` replaces a finished benchmark folder
+training settings changed starts afresh, its points with it: its conversion settings count among them, `convert`'s
+defaults included (a change of the default gate converts and trains it again). `--overwrite` replaces a finished benchmark folder
 once the new one is complete.
 
     python -m delta_attention.scripts.bench_long_context --minutes_per_model 60
@@ -40,7 +41,8 @@ from . import bench_distill
 from .bench_distill import (BenchDistillOptions, check_run_options, distill_in_budget, probe_speed, save_figure,
                             teacher_speed)
 from .benchmark import _ints
-from .resumable import RESULT_FILE, PointStore, as_saved, kept, read_json, start_part, write_json
+from .resumable import (RESULT_FILE, PointStore, as_saved, conversion_options, kept, read_json, start_part,
+                        write_json)
 
 VARIANTS = {  # name -> ConversionSettings fields (the attention window is filled in from the options)
     "hybrid": {"keep_attention": "auto:0.25"},
@@ -217,7 +219,8 @@ def run(options: BenchLongContextOptions) -> int:
 
     for name in variants:
         place = out / name
-        training_settings = _settings(options, TRAINING_KEYS, conversion=conversion_settings(options, name))
+        conversion = ConversionSettings(dtype="float32", **conversion_settings(options, name))
+        training_settings = _settings(options, TRAINING_KEYS, conversion=conversion_options(conversion))
         measure_settings = _settings(options, MEASURE_KEYS)
         done = read_json(place / RESULT_FILE)
         if done is not None and done["training_settings"] == training_settings:
@@ -231,8 +234,7 @@ def run(options: BenchLongContextOptions) -> int:
             resume = start_part(place, training_settings)
             converted = place / "converted"
             if not converted.is_dir():
-                convert(source, out=converted,
-                        settings=ConversionSettings(dtype="float32", **conversion_settings(options, name)))
+                convert(source, out=converted, settings=conversion)
             extra, budget_options, stage3_speed = stage3_budget(place, converted, teacher, data, training, options,
                                                                 resume)
             results = distill_in_budget(place, converted, teacher, data, training, budget_options, resume=resume,

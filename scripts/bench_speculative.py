@@ -515,20 +515,27 @@ def plot(report: dict, path: Path) -> None:
 
 
 def _model_folder(layout: str, options: SpeculativeOptions, output: Path, log=print) -> Path:
-    """The converted model of `layout`: the folder given, or one converted here (reused when already there)."""
+    """The converted model of `layout`: the folder given, or one converted here (reused while it was converted with
+    today's options, `convert`'s defaults included; converted again otherwise)."""
     from delta_attention.conversion.converter.pipeline import ConversionSettings, convert
     from delta_attention.conversion.data.assets import smollm2_gguf_path
 
     from .bench_distill import LAYOUTS
+    from .resumable import conversion_options, converted_options
 
     given = options.hybrid_model if layout == "hybrid" else options.delta_model
     if given:
         return Path(given)
     folder = output / "models" / layout
-    if not (folder / "config.json").is_file():
+    settings = ConversionSettings(keep_attention=LAYOUTS[layout], dtype="float32")
+    found, wanted = converted_options(folder), conversion_options(settings)
+    if found != wanted:
+        if found is not None:
+            changed = "; ".join(f"{key} {found.get(key)!r} there, {value!r} now" for key, value in wanted.items()
+                                if found.get(key) != value)
+            log(f"{folder} was converted with other options ({changed}): converting it again")
         log(f"converting the offline SmolLM2 GGUF to the {layout} model (keep attention {LAYOUTS[layout]}, calibrated)")
-        convert(str(smollm2_gguf_path()), out=folder, overwrite=folder.exists(),
-                settings=ConversionSettings(keep_attention=LAYOUTS[layout], dtype="float32"))
+        convert(str(smollm2_gguf_path()), out=folder, overwrite=folder.exists(), settings=settings)
     return folder
 
 

@@ -5,7 +5,9 @@ A part (a distilled model, a sweep variant) lives in its own folder. `start_part
 one of other settings (started afresh) and a folder the benchmark never wrote (refused, left as it is). A finished
 part's record goes to `result.json` with its settings; `read_json` gives it back for the caller to compare.
 Smaller results that need no folder, such as the teacher's fine-tuning speed, are kept by `kept`, and
-measurements that take long one by one (a passkey length, a decode context) by a `PointStore`.
+measurements that take long one by one (a passkey length, a decode context) by a `PointStore`. A part that converts
+its own student saves `conversion_options` among its settings, so that a change of `convert`'s defaults (the gate)
+converts and trains it again instead of reusing a model made the old way.
 """
 
 from __future__ import annotations
@@ -36,6 +38,25 @@ def write_json(path: Path, record: dict) -> None:
     from delta_attention.conversion.saving import write_text_atomically
 
     write_text_atomically(path, json.dumps(record, indent=1, default=str))
+
+
+def conversion_options(settings) -> dict:
+    """What decides a converted model, as saved: every field of `settings` (a `ConversionSettings`, `convert`'s
+    defaults included) and the log-decay floor its gate gets."""
+    import dataclasses
+
+    from delta_attention.conversion.converter.target_config import log_decay_floor
+
+    return as_saved({**dataclasses.asdict(settings), "log_decay_floor": log_decay_floor(settings.gate)})
+
+
+def converted_options(folder: Path) -> dict | None:
+    """`conversion_options` of the conversion in `folder`, read from its `conversion.json` and `config.json`; None
+    where either is missing (no finished conversion there)."""
+    record, config = read_json(folder / "conversion.json"), read_json(folder / "config.json")
+    if record is None or config is None:
+        return None
+    return {**record["settings"], "log_decay_floor": config.get("linear_log_decay_floor")}
 
 
 def kept(path: Path, settings: dict, compute: Callable[[], dict], name: str) -> dict:

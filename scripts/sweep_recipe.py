@@ -35,7 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .bench_distill import BenchDistillOptions, distill_in_budget, save_figure
-from .resumable import RESULT_FILE, as_saved, read_json, start_part, write_json
+from .resumable import RESULT_FILE, as_saved, converted_options, read_json, start_part, write_json
 
 #: name -> overrides of the baseline; one knob each (the baseline changes none), but for the seed-1 confirmations
 VARIANTS = {
@@ -272,14 +272,13 @@ def check_conversions(output_dir: Path, conversions: dict, init: str) -> None:
     defaults = recipe_defaults()
     for folder_name, conversion in conversions.items():
         converted = output_dir / "converted" / folder_name
-        record, config = read_json(converted / "conversion.json"), read_json(converted / "config.json")
-        if record is None or config is None:
+        found = converted_options(converted)
+        if found is None:
             continue
         wanted = {**{key: defaults[key] for key in CONVERT_KEYS if key in defaults}, **conversion, "init": init}
-        found = {key: record["settings"].get(key) for key in wanted}
-        found["log-decay floor"] = config.get("linear_log_decay_floor")
-        wanted["log-decay floor"] = log_decay_floor(wanted["gate"])
-        differ = [f"{key} {found[key]!r} there, {wanted[key]!r} now" for key in wanted if found[key] != wanted[key]]
+        wanted["log_decay_floor"] = log_decay_floor(wanted["gate"])
+        differ = [f"{key} {found.get(key)!r} there, {value!r} now" for key, value in wanted.items()
+                  if found.get(key) != value]
         if differ:
             raise ValueError(f"{converted} was converted with other options ({'; '.join(differ)}): continue this "
                              f"sweep in a new --output_dir (or delete that folder to convert it again).")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -126,6 +127,18 @@ def smollm2_gguf():
     from delta_attention.conversion.data.assets import smollm2_gguf_path
 
     return smollm2_gguf_path()
+
+
+def scalar_gate_by_default(monkeypatch) -> None:
+    """`convert`'s default gate set to `scalar` for the rest of the test (the flip to `channel` undone): what a
+    benchmark resumed after a change of `convert`'s defaults meets."""
+    import delta_attention.conversion.converter.pipeline as pipeline
+
+    @dataclasses.dataclass
+    class ScalarGateSettings(pipeline.ConversionSettings):
+        gate: str = "scalar"
+
+    monkeypatch.setattr(pipeline, "ConversionSettings", ScalarGateSettings)
 
 
 class Killed(Exception):

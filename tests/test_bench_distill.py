@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import Killed, training_killed_at
+from conftest import Killed, scalar_gate_by_default, training_killed_at
 from delta_attention.scripts.bench_distill import BenchDistillOptions, check_options
 from delta_attention.scripts.resumable import kept, start_part
 
@@ -102,6 +102,18 @@ def test_resume_reuses_finished_layouts_and_continues_an_interrupted_one(folders
     results = json.loads((out / "results.json").read_text())["models"]["all-delta"]
     assert (results["stage1"]["lr"], results["stage2"]["lr"]) == (3e-3, 3e-4)
     assert "learning rates 0.003 (stage 1) and 0.0003 (stage 2)" in (out / "results.md").read_text()
+
+    # a change of convert's defaults (the gate) converts the layout again and retrains it, never reusing the model
+    # or the result made the old way
+    config = out / "all-delta" / "converted" / "config.json"
+    assert json.loads(config.read_text())["linear_gate"] == "channel"
+    trained.clear()
+    scalar_gate_by_default(monkeypatch)
+    assert bench.run(tiny_bench(folders, out, resume=True, stage2_tokens=512, stage1_lr=3e-3, stage2_lr=3e-4)) == 0
+    assert trained == ["stage 1 (attention transfer)", "stage 2 (logit distillation)"]
+    assert json.loads(config.read_text())["linear_gate"] == "scalar"
+    settings = json.loads((out / "all-delta" / "result.json").read_text())["settings"]["conversion"]
+    assert (settings["gate"], settings["log_decay_floor"], settings["keep_attention"]) == ("scalar", None, "0")
 
 
 def test_a_part_folder_the_benchmark_did_not_write_is_refused_and_left_alone(tmp_path):

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from conftest import Killed, training_killed_at
+from conftest import Killed, scalar_gate_by_default, training_killed_at
 from test_bench_distill import tiny_bench as tiny_distill_bench
 from delta_attention.conversion.converter.layer_plan import parse_keep
 from delta_attention.scripts.bench_long_context import (BenchLongContextOptions, check_options, conversion_settings,
@@ -299,6 +299,13 @@ def test_resume_reuses_finished_parts_and_continues_an_interrupted_variant(folde
     assert bench.run(tiny_bench(folders, killed, resume=True, stage2_tokens=512)) == 0
     assert trained == ["stage 1 (attention transfer)", "stage 2 (logit distillation)"]
     assert json.loads((killed / "results.json").read_text())["models"]["all-delta"]["stage2"]["tokens"] == 512
+
+    # so does a change of convert's defaults: the variant is converted again (the gate) and retrained
+    trained.clear()
+    scalar_gate_by_default(monkeypatch)
+    assert bench.run(tiny_bench(folders, killed, resume=True, stage2_tokens=512)) == 0
+    assert trained == ["stage 1 (attention transfer)", "stage 2 (logit distillation)"]
+    assert json.loads((killed / "all-delta" / "converted" / "config.json").read_text())["linear_gate"] == "scalar"
 
 
 def test_a_variant_folder_the_benchmark_did_not_write_is_left_alone(folders, tmp_path):

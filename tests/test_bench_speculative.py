@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_llama_teacher, tiny_tokenizer
+from conftest import scalar_gate_by_default, tiny_llama_teacher, tiny_tokenizer
 from delta_attention.scripts import bench_speculative as bench
 from test_generation import build, prompt
 
@@ -109,6 +109,29 @@ def test_the_teacher_is_measured_as_the_peer(tmp_path):
     with pytest.raises(ValueError, match=r"^--layouts must be a comma-separated subset of hybrid, all-delta, teacher"):
         bench.run_speculative(bench.SpeculativeOptions(layouts="hybrid,llama", output_dir=str(tmp_path / "x")))
     assert not (tmp_path / "x").exists()
+
+
+def test_a_converted_model_is_reused_only_while_convert_s_options_are_unchanged(folders, tmp_path, monkeypatch):
+    """`models/LAYOUT` in the output folder is reused by a rerun, and converted again (never reused) once it was made
+    with options other than today's, as after `convert`'s default gate changed."""
+    import delta_attention.conversion.data.assets as assets
+
+    monkeypatch.setattr(assets, "smollm2_gguf_path", lambda: folders / "teacher")  # the tiny teacher stands in
+    logs = []
+    folder = bench._model_folder("all-delta", bench.SpeculativeOptions(), tmp_path, log=logs.append)
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["linear_gate"], config["linear_log_decay_floor"]) == ("channel", -3.5)
+    written = (folder / "model.safetensors").stat().st_mtime_ns
+    logs.clear()
+    assert bench._model_folder("all-delta", bench.SpeculativeOptions(), tmp_path, log=logs.append) == folder
+    assert logs == [] and (folder / "model.safetensors").stat().st_mtime_ns == written  # reused as it is
+
+    scalar_gate_by_default(monkeypatch)
+    assert bench._model_folder("all-delta", bench.SpeculativeOptions(), tmp_path, log=logs.append) == folder
+    assert logs[0] == (f"{folder} was converted with other options (gate 'channel' there, 'scalar' now; "
+                       "log_decay_floor -3.5 there, None now): converting it again")
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["linear_gate"], config.get("linear_log_decay_floor")) == ("scalar", None)
 
 
 def test_bad_options_are_one_line_errors():

@@ -213,14 +213,14 @@ def test_resume_refuses_a_conversion_made_with_other_options(inputs, tmp_path, m
     (out / "variants" / "baseline" / "result.json").unlink()
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
     with pytest.raises(ValueError, match=r"keep-auto-0.25 was converted with other options \(gate 'scalar' there, "
-                                         r"'channel' now; log-decay floor None there, -3.5 now\): continue this "
+                                         r"'channel' now; log_decay_floor None there, -3.5 now\): continue this "
                                          r"sweep in a new --output_dir"):
         sweep.run(tiny_sweep(inputs, out, resume=True, variants="baseline"))
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before and runs == ["baseline"]
     # the floor alone: a channel-gate conversion made before it existed
     record["settings"]["gate"] = "channel"
     (baseline / "conversion.json").write_text(json.dumps(record))
-    with pytest.raises(ValueError, match=r"\(log-decay floor None there, -3.5 now\)"):
+    with pytest.raises(ValueError, match=r"\(log_decay_floor None there, -3.5 now\)"):
         sweep.run(tiny_sweep(inputs, out, resume=True, variants="baseline"))
 
 
