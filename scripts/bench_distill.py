@@ -10,8 +10,8 @@ under `--output_dir`.
 `--resume` continues a benchmark in `--output_dir`: the teacher's speed (`teacher.json`) and each finished layout
 (`LAYOUT/result.json`) are reused while their settings are unchanged, and an interrupted distillation continues
 from its last checkpoint (`--checkpoint_every_tokens`) on the token budget it started with; a layout whose settings
-changed starts afresh, `convert`'s options among them (a change of its defaults converts the layout again). An existing folder is refused without `--resume` or `--overwrite`, which swaps the new
-benchmark in once it is done.
+changed starts afresh, `convert`'s options among them (a change of its defaults converts the layout again). An
+existing folder is refused without `--resume` or `--overwrite`, which swaps the new benchmark in once it is done.
 
     python -m delta_attention.scripts.bench_distill --minutes_per_model 60
 """

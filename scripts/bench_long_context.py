@@ -22,8 +22,8 @@ budget it started with. Measurements are kept point by point as they finish (`me
 `--output_dir`, a variant's in its folder: the long document, each passkey length, each decode context), so a
 resumed run, or one that asks for more lengths or contexts, measures only the points it lacks. A variant whose
 training settings changed starts afresh, its points with it: its conversion settings count among them, `convert`'s
-defaults included (a change of the default gate converts and trains it again). `--overwrite` replaces a finished benchmark folder
-once the new one is complete.
+defaults included (a change of the default gate converts and trains it again). `--overwrite` replaces a finished
+benchmark folder once the new one is complete.
 
     python -m delta_attention.scripts.bench_long_context --minutes_per_model 60
 """
