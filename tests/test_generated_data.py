@@ -112,6 +112,26 @@ def test_the_same_seed_gives_the_same_samples_whatever_the_batch_size(root, tmp_
     assert rows(tmp_path / "other")["chat"] != a["chat"]  # the seed decides the samples
 
 
+def test_a_converted_student_writes_its_own_answers(root, tmp_path):
+    """A delta-attention model writes too (its own answers, for stage 2 to score with the teacher's KL): the chat
+    template of its folder, the same samples whatever the batch size (left-padded batches through its delta
+    cache), and answers of its own, not the teacher's."""
+    from delta_attention.conversion.converter.pipeline import ConversionSettings, convert
+
+    settings = ConversionSettings(keep_attention="none", init="copy", calibration_tokens=64, calibration_seq_len=16,
+                                  chunk_size=16, bf16=False)
+    convert(str(root / "teacher"), out=tmp_path / "student", settings=settings,
+            calibration_texts=[" ".join(f"w{i % 90}" for i in range(200))], progress=False, log=lambda *a: None)
+    one = generate_data(options(root, tmp_path / "one", teacher=str(tmp_path / "student"), kind="chat",
+                                batch_size=1))
+    generate_data(options(root, tmp_path / "four", teacher=str(tmp_path / "student"), kind="chat"))
+    generate_data(options(root, tmp_path / "teacher", kind="chat"))
+    ours, theirs = rows(tmp_path / "one")["chat"], rows(tmp_path / "teacher")["chat"]
+    assert one["complete"] and len(ours) == 7 and ours == rows(tmp_path / "four")["chat"]
+    assert [r["prompt"] for r in ours] == [r["prompt"] for r in theirs]  # the same prompts in the same order
+    assert [r["messages"][1]["content"] for r in ours] != [r["messages"][1]["content"] for r in theirs]
+
+
 def test_a_killed_run_resumes_to_the_data_of_a_straight_run(root, tmp_path, monkeypatch):
     generate_data(options(root, tmp_path / "straight"))
     written, original = [], generated._write_shard

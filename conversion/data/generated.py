@@ -61,7 +61,8 @@ class GenerateOptions:
     """Which teacher writes what, and where."""
 
     teacher: str = dataclasses.field(
-        default=None, metadata={"help": "the teacher: model folder, Hub id or .gguf file", "positional": True}
+        default=None, metadata={"help": "the model that writes: the teacher (model folder, Hub id or .gguf file), or "
+                                         "a converted delta-attention model writing its own answers", "positional": True}
     )
     output_dir: str = dataclasses.field(default="generated", metadata={"help": "folder of the parquet shards"})
     kind: str = dataclasses.field(
@@ -398,8 +399,7 @@ def generate_data(options: GenerateOptions) -> dict:
     `output_dir/generation.json`."""
     from tqdm.auto import tqdm
 
-    from ..converter.sources import load_source
-    from ..loading import check_model_spec
+    from ..loading import check_model_spec, load_model
     from ..output_folder import check_output_folder, open_run_folder
 
     options.validate()
@@ -409,10 +409,9 @@ def generate_data(options: GenerateOptions) -> dict:
                         force=options.force_overwrite, inputs=(options.teacher, options.prompts))
     if options.dtype == "bfloat16" and not native_bf16("cpu"):
         warn_emulated_bf16("--dtype bfloat16", "--dtype float32 is faster here")
-    source = load_source(options.teacher, dtype=getattr(torch, options.dtype))
-    model, tokenizer = source.model.eval(), source.tokenizer
-    if tokenizer is None:
-        raise ValueError(f"the teacher {options.teacher} has no tokenizer; save one into its folder")
+    # any causal LM writes: a source model, or a delta-attention student (its own answers, scored by the teacher's KL
+    # when stage 2 trains on them)
+    model, tokenizer = load_model(options.teacher, dtype=getattr(torch, options.dtype), what="teacher")
     kinds = _resolve_kinds(options.kind, tokenizer, options.teacher)
     by_kind = {kind: [(i, p) for i, p in enumerate(prompts) if p["kind"] == kind] for kind in kinds}
     for kind, entries in by_kind.items():
