@@ -113,9 +113,9 @@ def test_the_same_seed_gives_the_same_samples_whatever_the_batch_size(root, tmp_
 
 
 def test_a_converted_student_writes_its_own_answers(root, tmp_path):
-    """A delta-attention model writes too (its own answers, for stage 2 to score with the teacher's KL): the chat
-    template of its folder, the same samples whatever the batch size (left-padded batches through its delta
-    cache), and answers of its own, not the teacher's."""
+    """A delta-attention model writes too (its own answers, for stage 2 to score with the teacher's KL): the same
+    samples whatever the batch size (left-padded batches through its delta cache), the prompts of the teacher's run,
+    and answers of its own, not the teacher's."""
     from delta_attention.conversion.converter.pipeline import ConversionSettings, convert
 
     settings = ConversionSettings(keep_attention="none", init="copy", calibration_tokens=64, calibration_seq_len=16,

@@ -1,6 +1,7 @@
 """Teacher-generated training data: distillation without a dataset.
 
-`generate_data` has a teacher (a folder, Hub id or `.gguf` file) write
+`generate_data` has a teacher (a folder, Hub id or `.gguf` file; or a converted delta-attention student, which
+writes its own answers) write
 * answers to the built-in prompt set (`prompts.jsonl`: a few hundred everyday requests: lists, explanations,
   how-tos, stories, poems, rewriting, summaries, questions, advice, letters, small sums), each rendered with the
   teacher's chat template (`kind="chat"`), and
@@ -61,8 +62,9 @@ class GenerateOptions:
     """Which teacher writes what, and where."""
 
     teacher: str = dataclasses.field(
-        default=None, metadata={"help": "the model that writes: the teacher (model folder, Hub id or .gguf file), or "
-                                         "a converted delta-attention model writing its own answers", "positional": True}
+        default=None, metadata={
+            "help": "the model that writes: the teacher (model folder, Hub id or .gguf file), or a converted "
+                    "delta-attention model writing its own answers", "positional": True}
     )
     output_dir: str = dataclasses.field(default="generated", metadata={"help": "folder of the parquet shards"})
     kind: str = dataclasses.field(
