@@ -521,7 +521,7 @@ def _model_folder(layout: str, options: SpeculativeOptions, output: Path, log=pr
     from delta_attention.conversion.data.assets import smollm2_gguf_path
 
     from .bench_distill import LAYOUTS
-    from .resumable import conversion_options, converted_options
+    from .resumable import conversion_options, converted_options, option_changes
 
     given = options.hybrid_model if layout == "hybrid" else options.delta_model
     if given:
@@ -531,9 +531,7 @@ def _model_folder(layout: str, options: SpeculativeOptions, output: Path, log=pr
     found, wanted = converted_options(folder), conversion_options(settings)
     if found != wanted:
         if found is not None:
-            changed = "; ".join(f"{key} {found.get(key)!r} there, {value!r} now" for key, value in wanted.items()
-                                if found.get(key) != value)
-            log(f"{folder} was converted with other options ({changed}): converting it again")
+            log(f"{folder} was converted with other options ({option_changes(found, wanted)}): converting it again")
         log(f"converting the offline SmolLM2 GGUF to the {layout} model (keep attention {LAYOUTS[layout]}, calibrated)")
         convert(str(smollm2_gguf_path()), out=folder, overwrite=folder.exists(), settings=settings)
     return folder

@@ -59,6 +59,13 @@ def converted_options(folder: Path) -> dict | None:
     return {**record["settings"], "log_decay_floor": config.get("linear_log_decay_floor")}
 
 
+def option_changes(found: dict, wanted: dict) -> str:
+    """The options of `wanted` that `found` holds with other values, as `KEY FOUND there, WANTED now` joined by
+    `; ` (empty when none differs)."""
+    return "; ".join(f"{key} {found.get(key)!r} there, {value!r} now" for key, value in wanted.items()
+                     if found.get(key) != value)
+
+
 def kept(path: Path, settings: dict, compute: Callable[[], dict], name: str) -> dict:
     """The record saved in `path` under these `settings` (as `as_saved` gives them), or else `compute()`'s record,
     saved there with them first."""

@@ -35,7 +35,8 @@ import torch
 from tqdm.auto import tqdm
 
 from .bench_distill import BenchDistillOptions, distill_in_budget, save_figure
-from .resumable import RESULT_FILE, as_saved, converted_options, read_json, start_part, write_json
+from .resumable import (RESULT_FILE, as_saved, conversion_options, converted_options, option_changes, read_json,
+                        start_part, write_json)
 
 #: name -> overrides of the baseline; one knob each (the baseline changes none), but for the seed-1 confirmations
 VARIANTS = {
@@ -263,25 +264,27 @@ def recipe_defaults() -> dict:
     return {key: defaults[key] for key in sorted({k for o in VARIANTS.values() for k in o} & set(defaults))}
 
 
+def _conversion_settings(conversion: dict, init: str):
+    """The `ConversionSettings` the sweep converts `conversion` (a `_conversion` dict) with."""
+    from delta_attention.conversion.converter.pipeline import ConversionSettings
+
+    return ConversionSettings(**conversion, init=init, dtype="float32")
+
+
 def check_conversions(output_dir: Path, conversions: dict, init: str) -> None:
     """Refuse to reuse a conversion of an earlier sweep in `output_dir` (`--resume`) that was made with other
     `convert` options, as after a default changed, or without the channel gate's log-decay floor: before anything
     is written. `conversions` maps folder names to `_conversion` dicts."""
-    from delta_attention.conversion.converter.target_config import log_decay_floor
-
-    defaults = recipe_defaults()
     for folder_name, conversion in conversions.items():
         converted = output_dir / "converted" / folder_name
         found = converted_options(converted)
         if found is None:
             continue
-        wanted = {**{key: defaults[key] for key in CONVERT_KEYS if key in defaults}, **conversion, "init": init}
-        wanted["log_decay_floor"] = log_decay_floor(wanted["gate"])
-        differ = [f"{key} {found.get(key)!r} there, {value!r} now" for key, value in wanted.items()
-                  if found.get(key) != value]
-        if differ:
-            raise ValueError(f"{converted} was converted with other options ({'; '.join(differ)}): continue this "
-                             f"sweep in a new --output_dir (or delete that folder to convert it again).")
+        options = conversion_options(_conversion_settings(conversion, init))
+        changed = option_changes(found, {key: options[key] for key in (*CONVERT_KEYS, "init", "log_decay_floor")})
+        if changed:
+            raise ValueError(f"{converted} was converted with other options ({changed}): continue this sweep in a "
+                             f"new --output_dir (or delete that folder to convert it again).")
 
 
 def _settings(options: SweepRecipeOptions, name: str) -> dict:
@@ -373,7 +376,7 @@ def prune_finished(place: Path) -> None:
 
 
 def run(options: SweepRecipeOptions) -> int:
-    from delta_attention.conversion.converter.pipeline import ConversionSettings, convert
+    from delta_attention.conversion.converter.pipeline import convert
     from delta_attention.conversion.converter.sources import load_source
     from delta_attention.conversion.data.assets import smollm2_gguf_path
     from delta_attention.conversion.output_folder import open_run_folder
@@ -392,8 +395,7 @@ def run(options: SweepRecipeOptions) -> int:
         converted = out / "converted" / folder_name
         if not converted.is_dir():
             source = source or load_source(teacher, dtype=torch.float32)
-            convert(source, out=converted, settings=ConversionSettings(**conversion, init=options.init,
-                                                                       dtype="float32"))
+            convert(source, out=converted, settings=_conversion_settings(conversion, options.init))
     del source
     report = {"threads": torch.get_num_threads(), "rule": RULE, "tie_margin": options.tie_margin,
               "minutes_per_variant": options.minutes_per_variant, "fixed_tokens": [options.stage1_tokens,
