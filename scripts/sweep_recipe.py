@@ -148,6 +148,18 @@ def _needs_generated(name: str) -> bool:
     return any("{generated}" in str(value) for value in VARIANTS[name].values())
 
 
+def _repeats_baseline(name: str) -> str | None:
+    """The baseline variant (`baseline` or `baseline-seed-N`) whose recipe variant `name` is today: one whose every
+    override but the seed is now a default (such as `gate-channel` since the channel gate became the default), or None.
+    """
+    overrides = {key: value for key, value in VARIANTS[name].items() if key != "seed"}
+    defaults = recipe_defaults()
+    if not overrides or any(key not in defaults or defaults[key] != value for key, value in overrides.items()):
+        return None
+    seed = VARIANTS[name].get("seed", 0)
+    return f"baseline-seed-{seed}" if seed else "baseline"
+
+
 def check_options(options: SweepRecipeOptions) -> list[str]:
     """Every check that reads no model: variant names, budgets, the data sources, the output folder. Returns the
     variants to run."""
@@ -164,6 +176,11 @@ def check_options(options: SweepRecipeOptions) -> list[str]:
         raise ValueError(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
     if not names:
         names = [n for n in VARIANTS if options.generated or not _needs_generated(n)]
+        repeats = {n: _repeats_baseline(n) for n in names}
+        if any(repeats.values()):
+            print(f"left out {[n for n in names if repeats[n]]}: today's defaults make them the recipe of "
+                  f"{sorted({r for r in repeats.values() if r})} (name them in --variants to run them anyway)")
+            names = [n for n in names if not repeats[n]]
     missing = [n for n in names if _needs_generated(n) and not options.generated]
     if missing:
         raise ValueError(f"--variants {missing} train on teacher-generated text; pass --generated DIR (a "

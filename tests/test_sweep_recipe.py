@@ -133,6 +133,26 @@ def test_generated_variants_need_the_generated_folder(tmp_path):
     assert "data-generated-mix" not in sweep.check_options(SweepRecipeOptions(output_dir=str(tmp_path / "o")))
 
 
+def test_the_full_grid_leaves_out_variants_that_today_s_defaults_make_the_baseline(tmp_path, monkeypatch, capsys):
+    defaults = sweep.recipe_defaults()
+    monkeypatch.setitem(sweep.VARIANTS, "temperature-now", {"temperature": defaults["temperature"]})
+    monkeypatch.setitem(sweep.VARIANTS, "temperature-now-seed-1", {"temperature": defaults["temperature"], "seed": 1})
+    assert sweep._repeats_baseline("temperature-now") == "baseline"
+    assert sweep._repeats_baseline("temperature-now-seed-1") == "baseline-seed-1"
+    assert sweep._repeats_baseline("gate-channel") == "baseline"  # the channel gate is convert's default
+    for name in ("baseline", "baseline-seed-1", "temperature-2", "gate-scalar", "layers-uniform", "data-quote-mix"):
+        assert sweep._repeats_baseline(name) is None, name
+    names = sweep.check_options(SweepRecipeOptions(output_dir=str(tmp_path / "o")))
+    left_out = capsys.readouterr().out
+    for name in ("temperature-now", "temperature-now-seed-1", "gate-channel", "gate-channel-seed-1"):
+        assert name not in names and name in left_out
+    assert {"baseline", "baseline-seed-1", "temperature-2", "gate-scalar"} <= set(names)
+    assert "the recipe of ['baseline', 'baseline-seed-1']" in left_out
+    # named, a repeat still runs (the README's commands of earlier sittings name gate-channel)
+    assert sweep.check_options(SweepRecipeOptions(output_dir=str(tmp_path / "o"), variants="gate-channel")) == [
+        "gate-channel"]
+
+
 def test_existing_output_needs_resume_or_overwrite(inputs, tmp_path):
     out = tmp_path / "sweep"
     out.mkdir()
