@@ -148,12 +148,11 @@ def _needs_generated(name: str) -> bool:
     return any("{generated}" in str(value) for value in VARIANTS[name].values())
 
 
-def _repeats_baseline(name: str) -> str | None:
+def _repeats_baseline(name: str, defaults: dict) -> str | None:
     """The baseline variant (`baseline` or `baseline-seed-N`) whose recipe variant `name` is today: one whose every
-    override but the seed is now a default (such as `gate-channel` since the channel gate became the default), or None.
-    """
+    override but the seed is now a default (`defaults`: `recipe_defaults()`; such as `gate-channel` since the channel
+    gate became the default), or None."""
     overrides = {key: value for key, value in VARIANTS[name].items() if key != "seed"}
-    defaults = recipe_defaults()
     if not overrides or any(key not in defaults or defaults[key] != value for key, value in overrides.items()):
         return None
     seed = VARIANTS[name].get("seed", 0)
@@ -176,7 +175,8 @@ def check_options(options: SweepRecipeOptions) -> list[str]:
         raise ValueError(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
     if not names:
         names = [n for n in VARIANTS if options.generated or not _needs_generated(n)]
-        repeats = {n: _repeats_baseline(n) for n in names}
+        defaults = recipe_defaults()
+        repeats = {n: _repeats_baseline(n, defaults) for n in names}
         if any(repeats.values()):
             print(f"left out {[n for n in names if repeats[n]]}: today's defaults make them the recipe of "
                   f"{sorted({r for r in repeats.values() if r})} (name them in --variants to run them anyway)")

@@ -137,11 +137,11 @@ def test_the_full_grid_leaves_out_variants_that_today_s_defaults_make_the_baseli
     defaults = sweep.recipe_defaults()
     monkeypatch.setitem(sweep.VARIANTS, "temperature-now", {"temperature": defaults["temperature"]})
     monkeypatch.setitem(sweep.VARIANTS, "temperature-now-seed-1", {"temperature": defaults["temperature"], "seed": 1})
-    assert sweep._repeats_baseline("temperature-now") == "baseline"
-    assert sweep._repeats_baseline("temperature-now-seed-1") == "baseline-seed-1"
-    assert sweep._repeats_baseline("gate-channel") == "baseline"  # the channel gate is convert's default
+    assert sweep._repeats_baseline("temperature-now", defaults) == "baseline"
+    assert sweep._repeats_baseline("temperature-now-seed-1", defaults) == "baseline-seed-1"
+    assert sweep._repeats_baseline("gate-channel", defaults) == "baseline"  # the channel gate is convert's default
     for name in ("baseline", "baseline-seed-1", "temperature-2", "gate-scalar", "layers-uniform", "data-quote-mix"):
-        assert sweep._repeats_baseline(name) is None, name
+        assert sweep._repeats_baseline(name, defaults) is None, name
     names = sweep.check_options(SweepRecipeOptions(output_dir=str(tmp_path / "o")))
     left_out = capsys.readouterr().out
     for name in ("temperature-now", "temperature-now-seed-1", "gate-channel", "gate-channel-seed-1"):
