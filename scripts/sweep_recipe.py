@@ -67,6 +67,9 @@ VARIANTS = {
     "gate-channel": {"gate": "channel"},
     "gate-scalar": {"gate": "scalar"},
     "neg-eigval": {"allow_neg_eigval": True},
+    # the auto plan's ranking after layer 0 and the induction layers: what converting each layer alone costs
+    # (convert --rank_by conversion) instead of what bypassing its attention costs
+    "rank-by-conversion": {"rank_by": "conversion"},
     "baseline-seed-1": {"seed": 1},  # the baseline on another data order and LoRA init: the noise between runs
     # the fifth sitting's narrow leader on seed 1 (1.86x, as the baseline on seed 1: not adopted)
     "stage2-new-params-lr-3e-3-seed-1": {"stage2_new_params_lr": 3e-3, "seed": 1},
@@ -77,7 +80,7 @@ VARIANTS = {
 #: the baseline's layer plan (convert's default form): the share `--keep_attention` chosen by `auto:`
 BASELINE_PLAN = "auto:{keep_attention}"
 #: override keys that are `convert` options: a variant with any of them distils its own conversion
-CONVERT_KEYS = ("keep_attention", "gate", "allow_neg_eigval")
+CONVERT_KEYS = ("keep_attention", "gate", "allow_neg_eigval", "rank_by")
 #: override keys that are neither `distill` nor LoRA options
 RUN_KEYS = ("stage1_share", "dataset", "seed", *CONVERT_KEYS)
 #: `distill` options the sweep sets the same for every variant (the budget, the folders, the evaluation texts)

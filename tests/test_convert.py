@@ -26,7 +26,13 @@ import delta_attention  # noqa: F401  (registers the Auto classes)
 from conftest import tiny_tokenizer
 from isolated import load_isolated
 from delta_attention.conversion import ConversionSettings, convert, convert_model
-from delta_attention.conversion.converter.pipeline import build_delta_model
+from delta_attention.conversion.converter.pipeline import (
+    build_delta_model,
+    every_layer_converted,
+    rank_layers_by_conversion,
+)
+from delta_attention.conversion.data.windows import random_windows
+from delta_attention.conversion.evaluation.perplexity import perplexity
 from delta_attention.conversion.converter.sources import SOURCE_ATTRIBUTE
 from delta_attention.conversion.converter.init_recipes import GATE_BIAS
 from delta_attention.conversion.converter.weight_mapping import repeat_kv_rows
@@ -195,6 +201,41 @@ def test_auto_ranking_on_a_tiny_model():
     costs = dict(result.plan.ranking)
     best_other = max((i for i in costs if i != 0), key=lambda i: costs[i])
     assert best_other in result.plan.kept
+
+
+def test_conversion_ranking_is_the_perplexity_of_the_model_with_that_layer_converted():
+    """Each cost of `rank_by="conversion"` (the source with one layer's attention swapped for its delta layer by a
+    hook) equals the perplexity of a real converted model that converts that layer alone, with the same weights."""
+    source = tiny_source("llama")
+    settings = ConversionSettings(**FAST)
+    calibration = random_windows(COMMON["vocab_size"], 32, 4, seed=3)
+    windows = random_windows(COMMON["vocab_size"], 32, 2, seed=4)
+    converted = every_layer_converted(source, calibration, settings, progress=False)
+    baseline, costs = rank_layers_by_conversion(source, windows, converted, bf16=False, progress=False)
+    assert baseline == pytest.approx(perplexity(source, windows, bf16=False), rel=1e-5)
+    assert sorted(costs) == [0, 1, 2, 3]
+    types = ["full_attention"] * COMMON["num_hidden_layers"]
+    for i in costs:
+        alone = build_delta_model(source, make_plan(types, tuple(j for j in costs if j != i), "one layer"), settings)
+        alone.model.layers[i].self_attn.load_state_dict(converted.model.layers[i].self_attn.state_dict())
+        assert costs[i] == pytest.approx(perplexity(alone, windows, bf16=False), rel=1e-5), i
+        assert costs[i] != pytest.approx(baseline, rel=1e-4)  # a converted layer changes the model
+
+
+def test_auto_plan_ranked_by_conversion_keeps_the_costliest_conversions():
+    source = tiny_source("llama")
+    settings = ConversionSettings(keep_attention="auto:0.5", rank_by="conversion", rank_tokens=64, **FAST)
+    result = convert_model(source, settings, progress=False)
+    plan = result.plan
+    assert plan.ranked_by == "conversion" and sorted(i for i, _ in plan.ranking) == [0, 1, 2, 3]
+    costs = dict(plan.ranking)
+    best_other = max((i for i in costs if i != 0), key=lambda i: costs[i])
+    assert plan.kept == [0, best_other]
+    assert "converted alone" in plan.describe() and "conversion costs most" in plan.rule
+    assert result.record()["plan"]["ranked_by"] == "conversion"
+    bypass = convert_model(source, ConversionSettings(keep_attention="auto:0.5", rank_tokens=64, **FAST),
+                           progress=False)
+    assert bypass.plan.ranked_by == "bypass" and dict(bypass.plan.ranking) != costs
 
 
 def test_teacher_activations_stop_after_the_last_asked_layer():
@@ -376,5 +417,7 @@ def test_bad_option_values_are_clear_errors(tmp_path, capsys):
     out = tmp_path / "never"
     expect_cli_error([str(source_dir), "--out", str(out), "--gate", "cubic"], "--gate must be one of", capsys)
     expect_cli_error([str(source_dir), "--out", str(out), "--init", "magic"], "--init must be one of", capsys)
+    expect_cli_error([str(source_dir), "--out", str(out), "--rank_by", "entropy"], "--rank_by must be one of",
+                     capsys)
     expect_cli_error([str(source_dir)], "output folder is needed", capsys)
     assert not out.exists()

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 import delta_attention  # noqa: F401  (registers the Auto classes)
 from delta_attention.conversion import ConversionSettings, convert, convert_model
 from delta_attention.conversion.data.assets import heldout_texts, train_texts
-from delta_attention.conversion.converter.pipeline import plan_layers
+from delta_attention.conversion.converter.pipeline import plan_layers, rank_layers_by_bypass
 from delta_attention.conversion.converter.sources import load_source
 from delta_attention.conversion.data.windows import token_windows
 from delta_attention.conversion.evaluation.perplexity import perplexity
@@ -109,3 +109,25 @@ def test_auto_plan_keeps_layer_zero_the_induction_layers_and_the_costliest_layer
                               windows, progress=False)
     assert bypass_only.induction is None
     assert set(bypass_only.kept) == {0, *sorted((i for i in costs if i != 0), key=lambda i: -costs[i])[:7]}
+
+
+def test_conversion_ranking_frees_the_slots_of_layers_a_delta_layer_imitates(teacher):
+    """`--rank_by conversion` measures what converting each layer alone costs: layer 1, whose bypass is ruinous
+    (its attention matters), still costs most converted, but far less than bypassed; the plan keeps layer 0 and
+    the induction layers as the default plan does, and fills the rest by conversion cost."""
+    settings = ConversionSettings(keep_attention="auto:0.25", rank_by="conversion", rank_tokens=2 * SEQ, **FAST)
+    windows = token_windows(teacher.tokenizer, train_texts(), SEQ, 2)
+    calibration = token_windows(teacher.tokenizer, train_texts(), SEQ, FAST["calibration_tokens"] // SEQ)
+    plan = plan_layers(teacher.config, settings, teacher.model, windows, progress=False, calibration=calibration)
+    costs = dict(plan.ranking)
+    print(f"\nauto:0.25 --rank_by conversion kept {plan.kept}; ranking (layer: perplexity with it converted alone, "
+          f"baseline {plan.baseline_perplexity:.1f}): " + ", ".join(f"{i}:{p:.3g}" for i, p in plan.ranking))
+    assert plan.ranked_by == "conversion" and len(costs) == 30 and len(plan.kept) == 8
+    copy_layers = [i for i, _ in plan.induction[:4]]
+    others = sorted((i for i in costs if i not in (0, *copy_layers)), key=lambda i: -costs[i])
+    assert set(plan.kept) == {0, *copy_layers, *others[:3]}
+    assert max(costs, key=costs.get) == 1
+    _, bypass = rank_layers_by_bypass(teacher.model, windows, bf16=True, progress=False)
+    assert bypass[1] > 5 * costs[1]  # zeroing layer 1's attention is ruinous; a delta layer in its place is not
+    assert bypass[2] > costs[2] and 2 not in plan.kept  # layer 2 converts almost for free
+    assert all(costs[i] > plan.baseline_perplexity * 0.95 for i in costs)  # none far below: a delta layer only imitates

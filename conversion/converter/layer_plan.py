@@ -9,7 +9,8 @@
 * `auto:<ratio>`: keep `n = round(ratio * L)` layers: layer 0 (unless `keep_first_layer=False`), then the
   layers holding the source's induction heads, strongest first, up to `floor(induction_share * n)` of them
   (`induction.py`: the heads that copy from the context, which bypass ranking misses), then the layers
-  whose bypassed attention raises the source's perplexity on calibration text most.
+  whose bypassed attention raises the source's perplexity on calibration text most (`rank_by="conversion"`: whose
+  attention, replaced alone by its calibrated delta layer, raises it most).
 
 A plan may also give the kept layers a window (`--attention-window W`): every kept layer becomes a
 `sliding_attention` layer attending to its last W tokens, whatever its kind in the source, so the converted
@@ -134,7 +135,8 @@ class LayerPlan:
     source_types: list[str]
     layer_types: list[str]
     rule: str
-    ranking: list[tuple[int, float]] | None = None  # auto: (layer, perplexity with its attention bypassed)
+    ranking: list[tuple[int, float]] | None = None  # auto: (layer, perplexity with it bypassed or converted alone)
+    ranked_by: str = "bypass"  # auto: what `ranking` measures, the layer's attention bypassed or converted alone
     induction: list[tuple[int, float]] | None = None  # auto: (layer, its strongest induction head's score)
     baseline_perplexity: float | None = None
     sliding_window: int | None = None  # window of the converted model's sliding layers (None: it has none)
@@ -157,8 +159,9 @@ class LayerPlan:
             source, target = layer_name(src, self.source_sliding_window), layer_name(dst, self.sliding_window)
             lines.append(f"  layer {i:>3}: {source:<{max(width, 26)}} -> {target}")
         if self.ranking:
+            measure = "converted alone" if self.ranked_by == "conversion" else "bypassed"
             lines.append(
-                "auto ranking (perplexity with the layer's attention bypassed; "
+                f"auto ranking (perplexity with the layer's attention {measure}; "
                 f"baseline {self.baseline_perplexity:.2f}): "
                 + ", ".join(f"{i}:{ppl:.4g}" for i, ppl in self.ranking)
             )

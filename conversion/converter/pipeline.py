@@ -38,6 +38,8 @@ from ..data.windows import random_windows, token_windows
 from ..evaluation.perplexity import mean_nll
 
 INITS = ("copy", "calibrated")
+#: how an auto plan ranks layers: by the cost of bypassing each one's attention, or of converting it alone
+RANKINGS = ("bypass", "conversion")
 #: the induction probe of auto plans: this many random sequences of this many tokens, each repeated once
 INDUCTION_PROBE_LENGTH, INDUCTION_PROBE_COUNT = 128, 4
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -56,6 +58,12 @@ class ConversionSettings:
     induction_share: float = dataclasses.field(
         default=0.5, metadata={"help": "auto: at most this share of the kept layers goes first to the layers with "
                                        "induction (copying) heads, strongest first; 0: rank by bypass cost alone"}
+    )
+    rank_by: str = dataclasses.field(
+        default="bypass", metadata={"help": "auto: how the layers after layer 0 and the induction layers are ranked: "
+                                            "bypass (perplexity with the layer's attention replaced by zeros) | "
+                                            "conversion (perplexity with the layer alone replaced by its calibrated "
+                                            "delta layer: what converting it costs; calibrates every layer once)"}
     )
     keep_first_layer: bool = dataclasses.field(
         default=True, metadata={"help": "auto: always keep layer 0 as softmax (--no_keep_first_layer to rank it too)"}
@@ -110,6 +118,9 @@ class ConversionSettings:
         if self.gate not in DELTA_GATES:
             raise ValueError(f"--gate must be one of {list(DELTA_GATES)} (none = DeltaNet, scalar = Gated DeltaNet, "
                              f"channel = KDA), got {self.gate!r}")
+        if self.rank_by not in RANKINGS:
+            raise ValueError(f"--rank_by must be one of {list(RANKINGS)} (bypass: the cost of zeroing each layer's "
+                             f"attention; conversion: the cost of converting it alone), got {self.rank_by!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         for name in ("calibration_tokens", "calibration_seq_len", "search_windows", "rank_tokens", "chunk_size"):
@@ -170,6 +181,7 @@ class ConversionResult:
                 "layer_types": self.plan.layer_types,
                 "kept": self.plan.kept,
                 "ranking": self.plan.ranking,
+                "ranked_by": self.plan.ranked_by if self.plan.ranking else None,
                 "baseline_perplexity": self.plan.baseline_perplexity,
                 "induction": self.plan.induction,
                 "attention_window": self.plan.attention_window,
@@ -210,10 +222,53 @@ def rank_layers_by_bypass(model, windows: torch.Tensor, bf16: bool = True, progr
     return baseline, costs
 
 
+def every_layer_converted(model, windows: torch.Tensor, settings: ConversionSettings,
+                          progress: bool = True) -> DeltaForCausalLM:
+    """`model` with every layer converted to delta attention and initialised (`settings.init`) from its activations
+    on `windows`: each layer as the conversion would make it, whichever layers the plan then keeps."""
+    plan = make_plan(source_layer_types(model.config), (), "every layer converted")
+    converted = build_delta_model(model, plan, settings)
+    initialise_from_teacher(converted, model, plan, windows, settings, progress)
+    return converted
+
+
+def rank_layers_by_conversion(model, windows: torch.Tensor, converted: DeltaForCausalLM, bf16: bool = True,
+                              progress: bool = True):
+    """Perplexity of `model` on `windows` with each layer's attention replaced, alone, by the same layer of
+    `converted` (`every_layer_converted`): what converting that layer costs, where `rank_layers_by_bypass` measures
+    what removing it costs (a layer the short conv and the delta rule imitate well costs little even when its
+    attention matters).
+
+    Returns `(baseline_perplexity, {layer: perplexity_with_it_converted})`."""
+    modules = [layer.self_attn for layer in model.model.layers]
+
+    def converted_output(mixer):
+        def hook(module, args, kwargs, output):
+            hidden_states = args[0] if args else kwargs["hidden_states"]  # [batch, seq_len, hidden]
+            attention, extra = (output[0], output[1:]) if isinstance(output, tuple) else (output, ())
+            replaced = mixer(hidden_states)[0].to(attention.dtype)
+            return (replaced, *extra) if isinstance(output, tuple) else replaced
+
+        return hook
+
+    baseline = math.exp(mean_nll(model, windows, batch_size=2, bf16=bf16))
+    costs = {}
+    for i in tqdm(range(len(modules)), desc="ranking layers (convert each)", disable=not progress):
+        mixer = converted.model.layers[i].self_attn
+        handle = modules[i].register_forward_hook(converted_output(mixer), with_kwargs=True)
+        try:
+            costs[i] = math.exp(min(mean_nll(model, windows, batch_size=2, bf16=bf16), 700.0))
+        finally:
+            handle.remove()
+    return baseline, costs
+
+
 def plan_layers(source_config, settings: ConversionSettings, model=None, rank_windows=None,
-                progress: bool = True, spec: KeepSpec | None = None) -> LayerPlan:
+                progress: bool = True, spec: KeepSpec | None = None,
+                calibration: torch.Tensor | None = None) -> LayerPlan:
     """The layer plan for `settings.keep_attention` (`spec`, when already parsed); auto ranking needs `model` and
-    `rank_windows`."""
+    `rank_windows`, and with `rank_by="conversion"` the `calibration` windows the layers are initialised on (default:
+    `rank_windows`)."""
     types = source_layer_types(source_config)
     spec = spec or parse_keep(settings.keep_attention, len(types))
     windows = dict(window=settings.attention_window, source_window=getattr(source_config, "sliding_window", None))
@@ -228,7 +283,13 @@ def plan_layers(source_config, settings: ConversionSettings, model=None, rank_wi
         return make_plan(types, spec.layers, rule, **windows)
     if model is None or rank_windows is None:
         raise ValueError("auto layer selection needs the loaded source model and calibration windows")
-    baseline, costs = rank_layers_by_bypass(model, rank_windows, settings.bf16, progress)
+    if settings.rank_by == "conversion":
+        converted = every_layer_converted(model, rank_windows if calibration is None else calibration, settings,
+                                          progress)
+        baseline, costs = rank_layers_by_conversion(model, rank_windows, converted, settings.bf16, progress)
+        del converted
+    else:
+        baseline, costs = rank_layers_by_bypass(model, rank_windows, settings.bf16, progress)
     slots = copy_slots(spec.auto_count, settings.induction_share)
     induction = None
     if slots:
@@ -238,9 +299,10 @@ def plan_layers(source_config, settings: ConversionSettings, model=None, rank_wi
     ranking = sorted(costs.items(), key=lambda item: (-item[1], item[0]))
     rule = (f"{spec.text}: " + ("layer 0, " if settings.keep_first_layer else "")
             + (f"up to {slots} layers with induction heads, then " if slots else "")
-            + "the layers whose bypass costs most perplexity")
-    return make_plan(types, kept, rule, ranking=ranking, baseline_perplexity=baseline, induction=induction,
-                     **windows)
+            + f"the layers whose {'conversion' if settings.rank_by == 'conversion' else 'bypass'} costs most "
+              "perplexity")
+    return make_plan(types, kept, rule, ranking=ranking, ranked_by=settings.rank_by, baseline_perplexity=baseline,
+                     induction=induction, **windows)
 
 
 def _plan_for(source: Source, tokenizer, settings: ConversionSettings, calibration_texts=None, progress: bool = True,
@@ -248,11 +310,13 @@ def _plan_for(source: Source, tokenizer, settings: ConversionSettings, calibrati
     """The plan for a loaded source: `--keep-attention` parsed once, and auto plans ranked on calibration text."""
     config = source.model.config
     spec = spec or parse_keep(settings.keep_attention, config.num_hidden_layers)
-    rank_windows = None
+    rank_windows = calibration = None
     if spec.is_auto:
         rank_windows = calibration_windows(tokenizer, settings, config.vocab_size, calibration_texts,
                                            settings.rank_tokens)
-    return plan_layers(config, settings, source.model, rank_windows, progress, spec=spec)
+        if settings.rank_by == "conversion":
+            calibration = calibration_windows(tokenizer, settings, config.vocab_size, calibration_texts)
+    return plan_layers(config, settings, source.model, rank_windows, progress, spec=spec, calibration=calibration)
 
 
 # ----------------------------------------------------------------------------------------------- building
@@ -494,5 +558,6 @@ __all__ = [
     "initialise_from_teacher",
     "plan_layers",
     "rank_layers_by_bypass",
+    "rank_layers_by_conversion",
     "save_converted",
 ]

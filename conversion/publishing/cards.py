@@ -102,6 +102,7 @@ def conversion_card(result, model_path: str = ".", has_tokenizer: bool = True) -
         plan_rule=plan.rule,
         layer_rows=layer_rows,
         ranking=ranking,
+        ranked_by="replaced alone by its delta layer" if plan.ranked_by == "conversion" else "bypassed",
         induction=induction,
         baseline_perplexity=f"{plan.baseline_perplexity:.4g}" if plan.baseline_perplexity else None,
         conv_kernel_size=config.linear_conv_kernel_size,
