@@ -32,6 +32,7 @@ from delta_attention.conversion.converter.pipeline import (
     rank_layers_by_conversion,
 )
 from delta_attention.conversion.data.windows import random_windows
+from delta_attention.conversion.publishing.cards import conversion_card
 from delta_attention.conversion.evaluation.perplexity import perplexity
 from delta_attention.conversion.converter.sources import SOURCE_ATTRIBUTE
 from delta_attention.conversion.converter.init_recipes import GATE_BIAS
@@ -233,9 +234,11 @@ def test_auto_plan_ranked_by_conversion_keeps_the_costliest_conversions():
     assert plan.kept == [0, best_other]
     assert "converted alone" in plan.describe() and "conversion costs most" in plan.rule
     assert result.record()["plan"]["ranked_by"] == "conversion"
+    assert "each layer's attention replaced alone by its delta layer" in str(conversion_card(result))
     bypass = convert_model(source, ConversionSettings(keep_attention="auto:0.5", rank_tokens=64, **FAST),
                            progress=False)
     assert bypass.plan.ranked_by == "bypass" and dict(bypass.plan.ranking) != costs
+    assert "each layer's attention bypassed" in str(conversion_card(bypass))
 
 
 def test_teacher_activations_stop_after_the_last_asked_layer():
