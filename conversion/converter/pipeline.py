@@ -199,27 +199,41 @@ class ConversionResult:
 # ----------------------------------------------------------------------------------------------- planning
 
 
-def rank_layers_by_bypass(model, windows: torch.Tensor, bf16: bool = True, progress: bool = True):
-    """Perplexity of `model` on `windows` with each layer's attention output replaced by zeros.
-
-    Returns `(baseline_perplexity, {layer: perplexity_without_its_attention})`.
-    """
+def _perplexity_with_each_layer_replaced(model, windows: torch.Tensor, replacement, desc: str, bf16: bool,
+                                        progress: bool):
+    """`(baseline_perplexity, {layer: perplexity})` of `model` on `windows`, each layer's attention output replaced in
+    turn by `replacement(layer, hidden_states, attention_output)`."""
     modules = [layer.self_attn for layer in model.model.layers]
 
-    def zero_output(module, args, output):
-        if isinstance(output, tuple):
-            return (torch.zeros_like(output[0]), *output[1:])
-        return torch.zeros_like(output)
+    def hook_for(i):
+        def hook(module, args, kwargs, output):
+            hidden_states = args[0] if args else kwargs["hidden_states"]  # [batch, seq_len, hidden]
+            attention, extra = (output[0], output[1:]) if isinstance(output, tuple) else (output, ())
+            replaced = replacement(i, hidden_states, attention).to(attention.dtype)
+            return (replaced, *extra) if isinstance(output, tuple) else replaced
+
+        return hook
 
     baseline = math.exp(mean_nll(model, windows, batch_size=2, bf16=bf16))
     costs = {}
-    for i in tqdm(range(len(modules)), desc="ranking layers (bypass each)", disable=not progress):
-        handle = modules[i].register_forward_hook(zero_output)
+    for i in tqdm(range(len(modules)), desc=desc, disable=not progress):
+        handle = modules[i].register_forward_hook(hook_for(i), with_kwargs=True)
         try:
             costs[i] = math.exp(min(mean_nll(model, windows, batch_size=2, bf16=bf16), 700.0))
         finally:
             handle.remove()
     return baseline, costs
+
+
+def rank_layers_by_bypass(model, windows: torch.Tensor, bf16: bool = True, progress: bool = True):
+    """Perplexity of `model` on `windows` with each layer's attention output replaced by zeros.
+
+    Returns `(baseline_perplexity, {layer: perplexity_without_its_attention})`.
+    """
+    def zeros(layer, hidden_states, attention):
+        return torch.zeros_like(attention)
+
+    return _perplexity_with_each_layer_replaced(model, windows, zeros, "ranking layers (bypass each)", bf16, progress)
 
 
 def every_layer_converted(model, windows: torch.Tensor, settings: ConversionSettings,
@@ -240,27 +254,11 @@ def rank_layers_by_conversion(model, windows: torch.Tensor, converted: DeltaForC
     attention matters).
 
     Returns `(baseline_perplexity, {layer: perplexity_with_it_converted})`."""
-    modules = [layer.self_attn for layer in model.model.layers]
+    def delta_layer(layer, hidden_states, attention):
+        return converted.model.layers[layer].self_attn(hidden_states)[0]
 
-    def converted_output(mixer):
-        def hook(module, args, kwargs, output):
-            hidden_states = args[0] if args else kwargs["hidden_states"]  # [batch, seq_len, hidden]
-            attention, extra = (output[0], output[1:]) if isinstance(output, tuple) else (output, ())
-            replaced = mixer(hidden_states)[0].to(attention.dtype)
-            return (replaced, *extra) if isinstance(output, tuple) else replaced
-
-        return hook
-
-    baseline = math.exp(mean_nll(model, windows, batch_size=2, bf16=bf16))
-    costs = {}
-    for i in tqdm(range(len(modules)), desc="ranking layers (convert each)", disable=not progress):
-        mixer = converted.model.layers[i].self_attn
-        handle = modules[i].register_forward_hook(converted_output(mixer), with_kwargs=True)
-        try:
-            costs[i] = math.exp(min(mean_nll(model, windows, batch_size=2, bf16=bf16), 700.0))
-        finally:
-            handle.remove()
-    return baseline, costs
+    return _perplexity_with_each_layer_replaced(model, windows, delta_layer, "ranking layers (convert each)", bf16,
+                                                progress)
 
 
 def plan_layers(source_config, settings: ConversionSettings, model=None, rank_windows=None,
