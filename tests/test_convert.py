@@ -218,7 +218,7 @@ def test_conversion_ranking_is_the_perplexity_of_the_model_with_that_layer_conve
     types = ["full_attention"] * COMMON["num_hidden_layers"]
     for i in costs:
         alone = build_delta_model(source, make_plan(types, tuple(j for j in costs if j != i), "one layer"), settings)
-        alone.model.layers[i].self_attn.load_state_dict(converted.model.layers[i].self_attn.state_dict())
+        alone.model.layers[i].self_attn.load_state_dict(converted.model.model.layers[i].self_attn.state_dict())
         assert costs[i] == pytest.approx(perplexity(alone, windows, bf16=False), rel=1e-5), i
         assert costs[i] != pytest.approx(baseline, rel=1e-4)  # a converted layer changes the model
 
@@ -239,6 +239,30 @@ def test_auto_plan_ranked_by_conversion_keeps_the_costliest_conversions():
                            progress=False)
     assert bypass.plan.ranked_by == "bypass" and dict(bypass.plan.ranking) != costs
     assert "each layer's attention bypassed" in str(conversion_card(bypass))
+
+
+def test_conversion_ranked_plan_keeps_the_layers_it_measured(monkeypatch):
+    """With `rank_by="conversion"` every layer is converted and calibrated once: the plan's delta layers are those the
+    ranking measured, not calibrated again (each layer initialised once, the same records and windows)."""
+    from delta_attention.conversion.converter import pipeline
+
+    calibrated = []
+    real = pipeline.calibrate_layer
+    monkeypatch.setattr(pipeline, "calibrate_layer", lambda *a, **k: calibrated.append(1) or real(*a, **k))
+    source = tiny_source("llama")
+    settings = ConversionSettings(keep_attention="auto:0.5", rank_by="conversion", rank_tokens=64, **FAST)
+    result = convert_model(source, settings, progress=False)
+    assert len(calibrated) == COMMON["num_hidden_layers"]  # every layer once (4), not 4 + the plan's 2 again
+    windows = pipeline.calibration_windows(None, settings, COMMON["vocab_size"])
+    converted = every_layer_converted(source, windows, settings, progress=False)
+    assert result.calibration_tokens == windows.numel() and sorted(result.calibration) == result.plan.delta
+    for i in result.plan.delta:
+        made, expected = (m.model.layers[i].self_attn.state_dict() for m in (result.model, converted.model))
+        for name in expected:
+            torch.testing.assert_close(made[name], expected[name], rtol=0, atol=0, msg=f"layer {i} {name}")
+        assert result.calibration[i].error == converted.calibration[i].error
+    with pytest.raises(ValueError, match="either `windows` or `converted`"):
+        convert_model(source, settings, windows=windows, converted=converted, progress=False)
 
 
 def test_teacher_activations_stop_after_the_last_asked_layer():

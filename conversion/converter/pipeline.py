@@ -236,17 +236,27 @@ def rank_layers_by_bypass(model, windows: torch.Tensor, bf16: bool = True, progr
     return _perplexity_with_each_layer_replaced(model, windows, zeros, "ranking layers (bypass each)", bf16, progress)
 
 
+@dataclasses.dataclass
+class EveryLayerConverted:
+    """A source with every layer converted and initialised (`every_layer_converted`): the model, what calibration
+    chose for each layer, and the token windows it was initialised on."""
+
+    model: DeltaForCausalLM
+    calibration: dict[int, LayerCalibration]
+    windows: torch.Tensor  # [N, T] token ids
+
+
 def every_layer_converted(model, windows: torch.Tensor, settings: ConversionSettings,
-                          progress: bool = True) -> DeltaForCausalLM:
+                          progress: bool = True) -> EveryLayerConverted:
     """`model` with every layer converted to delta attention and initialised (`settings.init`) from its activations
     on `windows`: each layer as the conversion would make it, whichever layers the plan then keeps."""
     plan = make_plan(source_layer_types(model.config), (), "every layer converted")
     converted = build_delta_model(model, plan, settings)
-    initialise_from_teacher(converted, model, plan, windows, settings, progress)
-    return converted
+    calibration = initialise_from_teacher(converted, model, plan, windows, settings, progress)
+    return EveryLayerConverted(converted, calibration, windows)
 
 
-def rank_layers_by_conversion(model, windows: torch.Tensor, converted: DeltaForCausalLM, bf16: bool = True,
+def rank_layers_by_conversion(model, windows: torch.Tensor, converted: EveryLayerConverted, bf16: bool = True,
                               progress: bool = True):
     """Perplexity of `model` on `windows` with each layer's attention replaced, alone, by the same layer of
     `converted` (`every_layer_converted`): what converting that layer costs, where `rank_layers_by_bypass` measures
@@ -254,8 +264,10 @@ def rank_layers_by_conversion(model, windows: torch.Tensor, converted: DeltaForC
     attention matters).
 
     Returns `(baseline_perplexity, {layer: perplexity_with_it_converted})`."""
+    layers = converted.model.model.layers
+
     def delta_layer(layer, hidden_states, attention):
-        return converted.model.layers[layer].self_attn(hidden_states)[0]
+        return layers[layer].self_attn(hidden_states)[0]
 
     return _perplexity_with_each_layer_replaced(model, windows, delta_layer, "ranking layers (convert each)", bf16,
                                                 progress)
@@ -263,10 +275,10 @@ def rank_layers_by_conversion(model, windows: torch.Tensor, converted: DeltaForC
 
 def plan_layers(source_config, settings: ConversionSettings, model=None, rank_windows=None,
                 progress: bool = True, spec: KeepSpec | None = None,
-                calibration: torch.Tensor | None = None) -> LayerPlan:
+                calibration: torch.Tensor | None = None, converted: EveryLayerConverted | None = None) -> LayerPlan:
     """The layer plan for `settings.keep_attention` (`spec`, when already parsed); auto ranking needs `model` and
-    `rank_windows`, and with `rank_by="conversion"` the `calibration` windows the layers are initialised on (default:
-    `rank_windows`)."""
+    `rank_windows`, and with `rank_by="conversion"` every layer converted: `converted`, else made here on the
+    `calibration` windows (default: `rank_windows`)."""
     types = source_layer_types(source_config)
     spec = spec or parse_keep(settings.keep_attention, len(types))
     windows = dict(window=settings.attention_window, source_window=getattr(source_config, "sliding_window", None))
@@ -282,10 +294,10 @@ def plan_layers(source_config, settings: ConversionSettings, model=None, rank_wi
     if model is None or rank_windows is None:
         raise ValueError("auto layer selection needs the loaded source model and calibration windows")
     if settings.rank_by == "conversion":
-        converted = every_layer_converted(model, rank_windows if calibration is None else calibration, settings,
-                                          progress)
+        if converted is None:
+            converted = every_layer_converted(model, rank_windows if calibration is None else calibration, settings,
+                                              progress)
         baseline, costs = rank_layers_by_conversion(model, rank_windows, converted, settings.bf16, progress)
-        del converted
     else:
         baseline, costs = rank_layers_by_bypass(model, rank_windows, settings.bf16, progress)
     slots = copy_slots(spec.auto_count, settings.induction_share)
@@ -304,17 +316,20 @@ def plan_layers(source_config, settings: ConversionSettings, model=None, rank_wi
 
 
 def _plan_for(source: Source, tokenizer, settings: ConversionSettings, calibration_texts=None, progress: bool = True,
-              spec: KeepSpec | None = None) -> LayerPlan:
-    """The plan for a loaded source: `--keep-attention` parsed once, and auto plans ranked on calibration text."""
+              spec: KeepSpec | None = None) -> tuple[LayerPlan, EveryLayerConverted | None]:
+    """The plan for a loaded source: `--keep-attention` parsed once, and auto plans ranked on calibration text;
+    with the every-layer conversion that a `rank_by="conversion"` ranking made (else None), for `convert_model`."""
     config = source.model.config
     spec = spec or parse_keep(settings.keep_attention, config.num_hidden_layers)
-    rank_windows = calibration = None
+    rank_windows = converted = None
     if spec.is_auto:
         rank_windows = calibration_windows(tokenizer, settings, config.vocab_size, calibration_texts,
                                            settings.rank_tokens)
         if settings.rank_by == "conversion":
             calibration = calibration_windows(tokenizer, settings, config.vocab_size, calibration_texts)
-    return plan_layers(config, settings, source.model, rank_windows, progress, spec=spec, calibration=calibration)
+            converted = every_layer_converted(source.model, calibration, settings, progress)
+    plan = plan_layers(config, settings, source.model, rank_windows, progress, spec=spec, converted=converted)
+    return plan, converted
 
 
 # ----------------------------------------------------------------------------------------------- building
@@ -360,6 +375,15 @@ def initialise_from_teacher(student, teacher, plan: LayerPlan, windows: torch.Te
     return results
 
 
+def _take_delta_layers(student, converted: EveryLayerConverted, plan: LayerPlan) -> dict[int, LayerCalibration]:
+    """Copy the plan's delta layers into `student` from `converted` (every layer made as the conversion makes them),
+    so that they are the layers the ranking measured; returns their calibration records."""
+    for i in plan.delta:
+        source_layer = converted.model.model.layers[i].self_attn
+        student.model.layers[i].self_attn.load_state_dict(source_layer.state_dict())
+    return {i: converted.calibration[i] for i in plan.delta if i in converted.calibration}
+
+
 def calibration_windows(tokenizer, settings: ConversionSettings, vocab_size: int, texts=None,
                         num_tokens: int | None = None) -> torch.Tensor:
     """Token windows of calibration text: `texts`, else the assets' training split; random ids without a tokenizer."""
@@ -397,10 +421,12 @@ def _output_dtype(settings: ConversionSettings, source_model) -> torch.dtype:
 
 def convert_model(source, settings: ConversionSettings | None = None, tokenizer=None, calibration_texts=None,
                   windows: torch.Tensor | None = None, plan: LayerPlan | None = None,
-                  progress: bool = True) -> ConversionResult:
+                  progress: bool = True, converted: EveryLayerConverted | None = None) -> ConversionResult:
     """Convert an already loaded source (a `Source` or a Llama-layout `PreTrainedModel`) in memory.
 
     `windows` ([N, T] token ids) overrides the calibration text; without a tokenizer random ids are used.
+    `converted` (every layer already converted and initialised, as a `rank_by="conversion"` plan makes them) gives
+    the delta layers as they are, with their windows, instead of initialising them again.
     The returned model is in the output dtype (`settings.dtype`) and eval mode.
     """
     settings = settings or ConversionSettings()
@@ -412,15 +438,21 @@ def convert_model(source, settings: ConversionSettings | None = None, tokenizer=
     check_layout(teacher)
     tokenizer = tokenizer if tokenizer is not None else source.tokenizer
     vocab = teacher.config.vocab_size
+    if converted is not None and windows is not None:
+        raise ValueError("convert_model: pass either `windows` or `converted` (whose layers were initialised on its "
+                         "own windows), not both")
     if plan is None:
-        plan = _plan_for(source, tokenizer, settings, calibration_texts, progress)
+        plan, converted = _plan_for(source, tokenizer, settings, calibration_texts, progress)
     student = build_delta_model(teacher, plan, settings)
     calibration, used = {}, 0
     described = "the given token windows" if windows is not None else (
         "random token ids (the source has no tokenizer)" if tokenizer is None else
         "the given calibration text" if calibration_texts is not None else
         "the assets' training text (State of the Union, Shakespeare; held-out documents excluded)")
-    if plan.delta:
+    if plan.delta and converted is not None:
+        used = converted.windows.numel()
+        calibration = _take_delta_layers(student, converted, plan)
+    elif plan.delta:
         if windows is None:
             windows = calibration_windows(tokenizer, settings, vocab, calibration_texts)
         used = windows.numel()
@@ -518,7 +550,7 @@ def convert(source, out=None, settings: ConversionSettings | None = None, overwr
     loaded = source if isinstance(source, Source) else load_source(ref, with_tokenizer=tokenizer)
     if not tokenizer:
         loaded.tokenizer = None
-    plan = _plan_for(loaded, loaded.tokenizer, settings, calibration_texts, progress, spec=spec)
+    plan, converted = _plan_for(loaded, loaded.tokenizer, settings, calibration_texts, progress, spec=spec)
     if dry_run:
         delta_config = delta_config_from_source(loaded.config, plan.layer_types, settings.delta_options(),
                                                 model=loaded.model, sliding_window=plan.sliding_window)
@@ -529,7 +561,9 @@ def convert(source, out=None, settings: ConversionSettings | None = None, overwr
         log("dry run: nothing written")
         return result
 
-    result = convert_model(loaded, settings, calibration_texts=calibration_texts, plan=plan, progress=progress)
+    result = convert_model(loaded, settings, calibration_texts=calibration_texts, plan=plan, progress=progress,
+                           converted=converted)
+    del converted
     log(result.describe())
     save_converted(result, out, tokenizer=loaded.tokenizer, overwrite=overwrite, progress=progress,
                    force=force_overwrite)
@@ -548,11 +582,13 @@ def _plain_config(config):
 __all__ = [
     "ConversionResult",
     "ConversionSettings",
+    "EveryLayerConverted",
     "build_delta_model",
     "calibration_windows",
     "check_output",
     "convert",
     "convert_model",
+    "every_layer_converted",
     "initialise_from_teacher",
     "plan_layers",
     "rank_layers_by_bypass",
