@@ -263,6 +263,11 @@ def test_conversion_ranked_plan_keeps_the_layers_it_measured(monkeypatch):
         assert result.calibration[i].error == converted.calibration[i].error
     with pytest.raises(ValueError, match="either `windows` or `converted`"):
         convert_model(source, settings, windows=windows, converted=converted, progress=False)
+    other = pipeline.random_windows(COMMON["vocab_size"], 32, 2, seed=9)  # given windows: the plan's layers use them
+    calibrated.clear()
+    given = convert_model(source, settings, windows=other, progress=False)
+    assert len(calibrated) == COMMON["num_hidden_layers"] + len(given.plan.delta)
+    assert given.calibration_tokens == other.numel()
 
 
 def test_teacher_activations_stop_after_the_last_asked_layer():

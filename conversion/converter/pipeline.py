@@ -442,7 +442,8 @@ def convert_model(source, settings: ConversionSettings | None = None, tokenizer=
         raise ValueError("convert_model: pass either `windows` or `converted` (whose layers were initialised on its "
                          "own windows), not both")
     if plan is None:
-        plan, converted = _plan_for(source, tokenizer, settings, calibration_texts, progress)
+        plan, ranked = _plan_for(source, tokenizer, settings, calibration_texts, progress)
+        converted = ranked if windows is None else None  # windows given: the plan's layers are initialised on them
     student = build_delta_model(teacher, plan, settings)
     calibration, used = {}, 0
     described = "the given token windows" if windows is not None else (
