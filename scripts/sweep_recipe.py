@@ -68,8 +68,9 @@ VARIANTS = {
     "gate-scalar": {"gate": "scalar"},
     "neg-eigval": {"allow_neg_eigval": True},
     # the auto plan's ranking after layer 0 and the induction layers: what converting each layer alone costs
-    # (convert --rank_by conversion) instead of what bypassing its attention costs
+    # (convert --rank_by conversion; the default since the twelfth sitting) or what bypassing its attention costs
     "rank-by-conversion": {"rank_by": "conversion"},
+    "rank-by-bypass": {"rank_by": "bypass"},
     "baseline-seed-1": {"seed": 1},  # the baseline on another data order and LoRA init: the noise between runs
     # the fifth sitting's narrow leader on seed 1 (1.86x, as the baseline on seed 1: not adopted)
     "stage2-new-params-lr-3e-3-seed-1": {"stage2_new_params_lr": 3e-3, "seed": 1},

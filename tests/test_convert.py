@@ -225,7 +225,8 @@ def test_conversion_ranking_is_the_perplexity_of_the_model_with_that_layer_conve
 
 def test_auto_plan_ranked_by_conversion_keeps_the_costliest_conversions():
     source = tiny_source("llama")
-    settings = ConversionSettings(keep_attention="auto:0.5", rank_by="conversion", rank_tokens=64, **FAST)
+    settings = ConversionSettings(keep_attention="auto:0.5", rank_tokens=64, **FAST)
+    assert settings.rank_by == "conversion"  # the default since the recipe sweep's twelfth sitting
     result = convert_model(source, settings, progress=False)
     plan = result.plan
     assert plan.ranked_by == "conversion" and sorted(i for i, _ in plan.ranking) == [0, 1, 2, 3]
@@ -235,8 +236,8 @@ def test_auto_plan_ranked_by_conversion_keeps_the_costliest_conversions():
     assert "converted alone" in plan.describe() and "conversion costs most" in plan.rule
     assert result.record()["plan"]["ranked_by"] == "conversion"
     assert "each layer's attention replaced alone by its delta layer" in str(conversion_card(result))
-    bypass = convert_model(source, ConversionSettings(keep_attention="auto:0.5", rank_tokens=64, **FAST),
-                           progress=False)
+    bypass = convert_model(source, ConversionSettings(keep_attention="auto:0.5", rank_by="bypass", rank_tokens=64,
+                                                      **FAST), progress=False)
     assert bypass.plan.ranked_by == "bypass" and dict(bypass.plan.ranking) != costs
     assert "each layer's attention bypassed" in str(conversion_card(bypass))
 

@@ -86,7 +86,7 @@ def test_hybrid_and_all_delta_save_reload_and_generate(teacher, tmp_path, keep):
 
 
 def test_auto_plan_keeps_layer_zero_the_induction_layers_and_the_costliest_layers(teacher):
-    settings = ConversionSettings(keep_attention="auto:0.25", rank_tokens=2 * SEQ, **FAST)
+    settings = ConversionSettings(keep_attention="auto:0.25", rank_by="bypass", rank_tokens=2 * SEQ, **FAST)
     windows = token_windows(teacher.tokenizer, train_texts(), SEQ, 2)
     plan = plan_layers(teacher.config, settings, teacher.model, windows, progress=False)
     print(f"\nauto:0.25 kept {plan.kept}; induction layers {plan.induction}; ranking (layer: perplexity with its "

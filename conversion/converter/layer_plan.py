@@ -8,9 +8,9 @@
   (layer `floor(i * L / n)` for `i < n`);
 * `auto:<ratio>`: keep `n = round(ratio * L)` layers: layer 0 (unless `keep_first_layer=False`), then the
   layers holding the source's induction heads, strongest first, up to `floor(induction_share * n)` of them
-  (`induction.py`: the heads that copy from the context, which bypass ranking misses), then the layers
-  whose bypassed attention raises the source's perplexity on calibration text most (`rank_by="conversion"`: whose
-  attention, replaced alone by its calibrated delta layer, raises it most).
+  (`induction.py`: the heads that copy from the context, which a one-at-a-time ranking misses), then the layers
+  whose attention, replaced alone by its calibrated delta layer, raises the source's perplexity on calibration
+  text most (`rank_by="bypass"`: whose attention, replaced by zeros, raises it most).
 
 A plan may also give the kept layers a window (`--attention-window W`): every kept layer becomes a
 `sliding_attention` layer attending to its last W tokens, whatever its kind in the source, so the converted
@@ -114,7 +114,7 @@ def copy_slots(count: int, share: float) -> int:
 def choose_auto(costs: dict[int, float], count: int, keep_first_layer: bool = True,
                 induction: list[tuple[int, float]] = (), slots: int = 0) -> tuple[int, ...]:
     """Keep `count` layers: layer 0 first when `keep_first_layer`, then up to `slots` of the `induction` layers
-    (strongest first), then the layers whose bypass costs most."""
+    (strongest first), then the layers whose `costs` (perplexity with the layer converted or bypassed) are highest."""
     ranked = sorted(costs, key=lambda i: (-costs[i], i))
     chosen = [0] if keep_first_layer and count > 0 and 0 in costs else []
     for layer, _ in induction[:slots]:

@@ -52,18 +52,19 @@ class ConversionSettings:
     keep_attention: str = dataclasses.field(
         default="auto:0.25",
         metadata={"help": "layers that stay softmax: all | none | 0,4,8 | a ratio like 0.25 (uniform from layer 0) | "
-                          "auto:<ratio> (layer 0, the layers with induction heads, then the layers whose bypass costs "
-                          "most perplexity)"},
+                          "auto:<ratio> (layer 0, the layers with induction heads, then the layers whose conversion "
+                          "costs most perplexity; --rank_by)"},
     )
     induction_share: float = dataclasses.field(
         default=0.5, metadata={"help": "auto: at most this share of the kept layers goes first to the layers with "
-                                       "induction (copying) heads, strongest first; 0: rank by bypass cost alone"}
+                                       "induction (copying) heads, strongest first; 0: rank by --rank_by alone"}
     )
     rank_by: str = dataclasses.field(
-        default="bypass", metadata={"help": "auto: how the layers after layer 0 and the induction layers are ranked: "
-                                            "bypass (perplexity with the layer's attention replaced by zeros) | "
-                                            "conversion (perplexity with the layer alone replaced by its calibrated "
-                                            "delta layer: what converting it costs; calibrates every layer once)"}
+        default="conversion", metadata={"help": "auto: how the layers after layer 0 and the induction layers are "
+                                                "ranked: conversion (perplexity with the layer alone replaced by its "
+                                                "calibrated delta layer: what converting it costs; calibrates every "
+                                                "layer, kept ones too) | bypass (perplexity with the layer's "
+                                                "attention replaced by zeros; the default before)"}
     )
     keep_first_layer: bool = dataclasses.field(
         default=True, metadata={"help": "auto: always keep layer 0 as softmax (--no_keep_first_layer to rank it too)"}
