@@ -218,7 +218,7 @@ def test_conversion_ranking_is_the_perplexity_of_the_model_with_that_layer_conve
     types = ["full_attention"] * COMMON["num_hidden_layers"]
     for i in costs:
         alone = build_delta_model(source, make_plan(types, tuple(j for j in costs if j != i), "one layer"), settings)
-        alone.model.layers[i].self_attn.load_state_dict(converted.model.model.layers[i].self_attn.state_dict())
+        alone.model.layers[i].self_attn.load_state_dict(converted.attention[i].state_dict())
         assert costs[i] == pytest.approx(perplexity(alone, windows, bf16=False), rel=1e-5), i
         assert costs[i] != pytest.approx(baseline, rel=1e-4)  # a converted layer changes the model
 
@@ -258,7 +258,7 @@ def test_conversion_ranked_plan_keeps_the_layers_it_measured(monkeypatch):
     converted = every_layer_converted(source, windows, settings, progress=False)
     assert result.calibration_tokens == windows.numel() and sorted(result.calibration) == result.plan.delta
     for i in result.plan.delta:
-        made, expected = (m.model.layers[i].self_attn.state_dict() for m in (result.model, converted.model))
+        made, expected = result.model.model.layers[i].self_attn.state_dict(), converted.attention[i].state_dict()
         for name in expected:
             torch.testing.assert_close(made[name], expected[name], rtol=0, atol=0, msg=f"layer {i} {name}")
         assert result.calibration[i].error == converted.calibration[i].error

@@ -239,10 +239,11 @@ def rank_layers_by_bypass(model, windows: torch.Tensor, bf16: bool = True, progr
 
 @dataclasses.dataclass
 class EveryLayerConverted:
-    """A source with every layer converted and initialised (`every_layer_converted`): the model, what calibration
-    chose for each layer, and the token windows it was initialised on."""
+    """Every layer of a source converted and initialised (`every_layer_converted`): each layer's delta attention
+    module (the model around them is not kept: it is the source's own weights), what calibration chose for each
+    layer, and the token windows it was initialised on."""
 
-    model: DeltaForCausalLM
+    attention: torch.nn.ModuleList  # [num_layers] delta attention modules, layer i's at index i
     calibration: dict[int, LayerCalibration]
     windows: torch.Tensor  # [N, T] token ids
 
@@ -254,7 +255,8 @@ def every_layer_converted(model, windows: torch.Tensor, settings: ConversionSett
     plan = make_plan(source_layer_types(model.config), (), "every layer converted")
     converted = build_delta_model(model, plan, settings)
     calibration = initialise_from_teacher(converted, model, plan, windows, settings, progress)
-    return EveryLayerConverted(converted, calibration, windows)
+    attention = torch.nn.ModuleList(layer.self_attn for layer in converted.model.layers)
+    return EveryLayerConverted(attention, calibration, windows)
 
 
 def rank_layers_by_conversion(model, windows: torch.Tensor, converted: EveryLayerConverted, bf16: bool = True,
@@ -265,10 +267,8 @@ def rank_layers_by_conversion(model, windows: torch.Tensor, converted: EveryLaye
     attention matters).
 
     Returns `(baseline_perplexity, {layer: perplexity_with_it_converted})`."""
-    layers = converted.model.model.layers
-
     def delta_layer(layer, hidden_states, attention):
-        return layers[layer].self_attn(hidden_states)[0]
+        return converted.attention[layer](hidden_states)[0]
 
     return _perplexity_with_each_layer_replaced(model, windows, delta_layer, "ranking layers (convert each)", bf16,
                                                 progress)
@@ -380,8 +380,7 @@ def _take_delta_layers(student, converted: EveryLayerConverted, plan: LayerPlan)
     """Copy the plan's delta layers into `student` from `converted` (every layer made as the conversion makes them),
     so that they are the layers the ranking measured; returns their calibration records."""
     for i in plan.delta:
-        source_layer = converted.model.model.layers[i].self_attn
-        student.model.layers[i].self_attn.load_state_dict(source_layer.state_dict())
+        student.model.layers[i].self_attn.load_state_dict(converted.attention[i].state_dict())
     return {i: converted.calibration[i] for i in plan.delta if i in converted.calibration}
 
 
