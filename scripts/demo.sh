@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main job, end to end on a fresh machine: set up (venv + offline assets), convert the real SmolLM2-135M
-# GGUF to a constant-memory hybrid delta-attention model (the quarter of the layers whose bypass costs most
-# perplexity keep softmax attention over a sliding window of 1024 tokens; calibrated init), then print held-out
-# perplexity of the original and the converted model and a few generated sentences from each.
+# GGUF to a constant-memory hybrid delta-attention model (a quarter of the layers keep softmax attention over a
+# sliding window of 1024 tokens: layer 0, the induction layers, then those whose conversion costs most perplexity;
+# calibrated init), then print held-out perplexity of the original and the converted model and a few generated
+# sentences from each.
 # About 7 minutes on 2 CPU cores after set-up. Usage: bash scripts/demo.sh [OUTPUT_DIR]
 # DELTA_ATTENTION_VENV=path uses an existing environment instead of running scripts/setup.sh.
 set -euo pipefail
