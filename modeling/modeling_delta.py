@@ -95,37 +95,50 @@ class DeltaHeadRMSNorm(nn.Module):
 
 
 class FusedLinear:
-    """Several `nn.Linear`s that read the same input, as one matmul: their weights (and biases, zeros where a layer
-    has none) concatenated along the output dimension. For inference only (no autograd through it).
+    """Several `nn.Linear`s that read the same input, as one matmul, without a second copy of their weights: their
+    weights are moved into one tensor [sum of out_features, in_features] (their biases into one [sum of out_features],
+    zeros where a layer has none) and each layer's parameters become views of its rows. For inference (no autograd
+    through the fused product; the layers themselves still train through their views).
 
-    Not a module and not a buffer, so nothing of it reaches `state_dict` or a checkpoint: the layers keep their
-    own parameters and names. It holds an alias of each source tensor, which keeps the source's memory from being
-    reused, so `is_current` can tell a source that is the same tensor, unchanged since (same storage, dtype, shape
-    and autograd version counter, which `copy_`, `load_state_dict` and optimizer steps bump), from anything else.
+    Not a module and not a buffer, so nothing of it reaches `state_dict` or a checkpoint: the layers keep their own
+    parameters and names, and `save_pretrained` writes each view as a tensor of its own. Anything that gives a
+    parameter new memory (`.to()`, `load_state_dict(assign=True)`, `param.data = ...`, a swapped layer) leaves it
+    off its rows, which `is_current` tells; writes in place (`copy_`, `load_state_dict`, optimizer steps, a LoRA
+    merge) land in the fused tensor itself. `release` gives every layer still on its rows memory of its own again.
     """
 
     def __init__(self, linears: list[nn.Linear]):
-        with torch.no_grad():
+        # a normal tensor even when first used under `torch.inference_mode()`: the parameters become views of it
+        with torch.inference_mode(False), torch.no_grad():  # (this order: inference_mode(False) enables grad)
             self.weight = torch.cat([linear.weight for linear in linears])  # [sum of out_features, in_features]
             self.bias = None
             if any(linear.bias is not None for linear in linears):
                 self.bias = torch.cat([linear.weight.new_zeros(linear.out_features) if linear.bias is None
                                        else linear.bias for linear in linears])
-        # per layer: (weight alias, its version, bias alias or None, its version)
-        self._sources = [(linear.weight.detach(), linear.weight._version,
-                          None if linear.bias is None else linear.bias.detach(),
-                          0 if linear.bias is None else linear.bias._version) for linear in linears]
+            # per layer: its parameters and the rows they now view
+            self._rows: list[tuple[nn.Parameter, nn.Parameter | None, int, int]] = []
+            start = 0
+            for linear in linears:
+                stop = start + linear.out_features
+                linear.weight.data = self.weight[start:stop]
+                if linear.bias is not None:
+                    linear.bias.data = self.bias[start:stop]
+                self._rows.append((linear.weight, linear.bias, start, stop))
+                start = stop
 
     @staticmethod
     def _plain(linear: nn.Module) -> bool:
-        # a plain `nn.Linear` or `DeltaLinear` (not a PEFT or quantized wrapper) without accelerate hooks
-        return type(linear) in (nn.Linear, DeltaLinear) and "_hf_hook" not in linear.__dict__
+        # a plain `nn.Linear` or `DeltaLinear` (not a PEFT or quantized wrapper) without accelerate hooks, and with no
+        # forward hooks, its own or global (they would not run: the fused product does not call the layer)
+        return (type(linear) in (nn.Linear, DeltaLinear) and "_hf_hook" not in linear.__dict__
+                and not (linear._forward_hooks or linear._forward_pre_hooks)
+                and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks))
 
     @staticmethod
     def fits(linears: list[nn.Module]) -> bool:
-        """Whether `linears` can be fused: plain `nn.Linear`s (not PEFT or quantized wrappers, no accelerate hooks)
-        with whole weights (not meta, not sharded away as ZeRO-3 does outside a layer's own forward) of one dtype
-        and device."""
+        """Whether `linears` can be fused: plain `nn.Linear`s (not PEFT or quantized wrappers, no accelerate or
+        forward hooks) with whole weights (not meta, not sharded away as ZeRO-3 does outside a layer's own forward)
+        of one dtype and device."""
         if not all(FusedLinear._plain(linear) for linear in linears):
             return False
         weights = [linear.weight for linear in linears]
@@ -135,21 +148,34 @@ class FusedLinear:
         )
 
     @staticmethod
-    def _unchanged(tensor: torch.Tensor | None, source: torch.Tensor | None, version: int) -> bool:
-        if tensor is None or source is None:
-            return tensor is None and source is None
-        return (tensor.data_ptr() == source.data_ptr() and tensor._version == version and tensor.dtype == source.dtype
-                and tensor.shape == source.shape)
+    def _on_rows(tensor: torch.Tensor | None, fused: torch.Tensor | None, start: int, stop: int) -> bool:
+        # whether `tensor` is exactly the rows start:stop of `fused` (both None: a layer without bias)
+        if tensor is None or fused is None:
+            return tensor is None
+        rows = fused[start:stop]
+        return (tensor.data_ptr() == rows.data_ptr() and tensor.shape == rows.shape and tensor.dtype == rows.dtype
+                and tensor.device == rows.device and tensor.stride() == rows.stride())
 
     def is_current(self, linears: list[nn.Module]) -> bool:
-        """Whether `linears` are still plain `nn.Linear`s whose every tensor is the one fused, unchanged."""
-        if len(linears) != len(self._sources):
+        """Whether `linears` are still the plain `nn.Linear`s fused, each parameter on its rows of the fused tensors."""
+        if len(linears) != len(self._rows):
             return False
-        for linear, (weight, weight_version, bias, bias_version) in zip(linears, self._sources):
-            if not (self._plain(linear) and self._unchanged(linear.weight, weight, weight_version)
-                    and self._unchanged(linear.bias, bias, bias_version)):
+        for linear, (weight, bias, start, stop) in zip(linears, self._rows):
+            if not (self._plain(linear) and linear.weight is weight and linear.bias is bias
+                    and self._on_rows(linear.weight, self.weight, start, stop)
+                    and self._on_rows(linear.bias, self.bias if bias is not None else None, start, stop)):
                 return False
         return True
+
+    def release(self) -> None:
+        """Give every parameter still on its rows memory of its own (a copy), so that the fused tensors are freed."""
+        with torch.no_grad():
+            for weight, bias, start, stop in self._rows:
+                if self._on_rows(weight, self.weight, start, stop):
+                    weight.data = weight.data.clone()
+                if bias is not None and self._on_rows(bias, self.bias, start, stop):
+                    bias.data = bias.data.clone()
+        self._rows = []
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., in_features] -> [..., sum of out_features]: the layers' outputs side by side
@@ -206,11 +232,11 @@ class DeltaAttention(nn.Module):
     BETA_AT_REST_RANGE = (1e-3, 1 - 1e-3)
     # inference without autograd (eval mode, no grad) runs blocks of up to SHORT_BLOCK_TOKENS new tokens on a CPU cache
     # (a decode step, a speculative verification, also while the cache records for a rollback) through
-    # `_inference_step`; False (on the class or a layer) keeps the reference path. `fuse_projections = True` also
-    # reads all input projections with one matmul (`FusedLinear`), at the cost of a copy of their weights; off by
-    # default: it measured no faster (docs/design.md, "Fast inference path")
+    # `_inference_step`; False (on the class or a layer) keeps the reference path. `fuse_projections` also reads all
+    # input projections with one matmul (`FusedLinear`, their weights moved into one tensor, no copy): bf16 decoding
+    # measured 10% faster with it (docs/design.md, "Fast inference path"); False keeps one matmul per projection
     fast_inference = True
-    fuse_projections = False
+    fuse_projections = True
     # blocks up to this many tokens solve the delta rule as one closed-form block at inference (`block_delta_rule`)
     # instead of the chunked kernel, which costs a whole chunk however few tokens it holds (two threads, 9 heads of
     # 64, per-head decay: 0.25 against 1.1 ms for 11 tokens, 0.52 against 1.1 for 32; docs/design.md, "Fast
@@ -279,25 +305,32 @@ class DeltaAttention(nn.Module):
 
     def __setattr__(self, name, value):
         if name in self.__dict__.get("input_projections", ()):  # a projection swapped (PEFT wrapping or unloading)
-            self.__dict__["_fused_inputs"] = None
+            self._release_fused_inputs()
         super().__setattr__(name, value)
 
+    def _release_fused_inputs(self) -> None:
+        # the projections' parameters back in memory of their own (`FusedLinear.release`), the fused tensors freed
+        fused = self.__dict__.get("_fused_inputs")
+        if fused is not None:
+            fused.release()
+        self.__dict__["_fused_inputs"] = None
+
     def _apply(self, fn, recurse=True):
-        self._fused_inputs = None  # `.to()`, `.half()`, ...: rebuilt from the converted weights when next used
+        self._fused_inputs = None  # `.to()`, `.half()`, ...: fused again from the converted weights when next used
         return super()._apply(fn, recurse)
 
     def train(self, mode: bool = True):
         if mode:
-            self._fused_inputs = None  # training reads the projections one by one; free the copy
+            self._release_fused_inputs()  # training reads the projections one by one, each from its own memory
         return super().train(mode)
 
     def _fused_input_projection(self) -> FusedLinear | None:
-        """The input projections as one `FusedLinear`, built on first use and rebuilt whenever a source parameter
-        changed; None when they cannot be fused (`FusedLinear.fits`)."""
+        """The input projections as one `FusedLinear`, built on first use and again whenever a parameter left its
+        rows (new memory, a swapped layer); None when they cannot be fused (`FusedLinear.fits`)."""
         linears = [getattr(self, name) for name in self.input_projections]
         if self._fused_inputs is not None and self._fused_inputs.is_current(linears):
             return self._fused_inputs
-        self._fused_inputs = None  # free the stale copy before building a new one
+        self._fused_inputs = None  # fusing again moves every parameter onto the new tensors: the old ones are freed
         if FusedLinear.fits(linears):
             self._fused_inputs = FusedLinear(linears)
         return self._fused_inputs

@@ -32,8 +32,8 @@ CONFIGS = {
 
 @pytest.fixture(autouse=True)
 def fused_projections(monkeypatch):
-    """The fused input projection is opt-in (`DeltaAttention.fuse_projections`); these tests check it, so it is on
-    unless a test turns it off."""
+    """The fused input projection (`DeltaAttention.fuse_projections`, on by default); these tests check it, so it is
+    on whatever another test left, unless a test turns it off."""
     monkeypatch.setattr(DeltaAttention, "fuse_projections", True)
 
 
@@ -93,18 +93,54 @@ def test_fast_decode_without_fused_projections(monkeypatch, decode_steps):
     model = tiny_delta_model(linear_gate="channel")
     decode_steps.clear()
     full, unfused, _ = prefill_then_decode(model, ids, 4)
-    assert len(decode_steps) == 6 * 3 and fused_count(model) == 0  # the fast step, without a fused copy
+    assert len(decode_steps) == 6 * 3 and fused_count(model) == 0  # the fast step, without fused weights
     assert (unfused - fused).abs().max() <= FLOAT32_ATOL
     assert (unfused - full).abs().max() <= FLOAT32_ATOL
 
 
-def test_the_fused_copy_is_opt_in(monkeypatch):
-    """By default decoding builds no fused copy of the weights (it costs their size again and measured no faster)."""
-    assert CLASS_DEFAULT_FUSE is False
-    monkeypatch.setattr(DeltaAttention, "fuse_projections", CLASS_DEFAULT_FUSE)
-    model = tiny_delta_model()
+def storage_bytes(model) -> int:
+    """The bytes of the distinct memory blocks behind the model's parameters and buffers."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()]}
+    return sum(storages.values())
+
+
+def owns_its_memory(tensor: torch.Tensor) -> bool:
+    return tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
+def test_fused_projections_are_the_default_and_move_the_weights_without_a_copy():
+    assert CLASS_DEFAULT_FUSE is True
+    model = tiny_delta_model(linear_gate="channel")
+    before, names = storage_bytes(model), set(model.state_dict())
     prefill_then_decode(model, torch.randint(3, 97, (1, 6), generator=torch.Generator().manual_seed(2)), 2)
-    assert fused_count(model) == 0
+    assert fused_count(model) == len(model.config.delta_layers)
+    attentions = [m for m in model.modules() if isinstance(m, DeltaAttention)]
+    zero_biases = sum(getattr(attention, name).out_features * 4 for attention in attentions
+                      for name in attention.input_projections if getattr(attention, name).bias is None)
+    assert 0 < zero_biases < 0.01 * before  # the fused bias has zeros where a projection has none: all that is new
+    assert storage_bytes(model) == before + zero_biases and set(model.state_dict()) == names  # moved, not copied
+    for attention in attentions:
+        fused = attention._fused_inputs.weight
+        for name in attention.input_projections:
+            weight = getattr(attention, name).weight
+            assert weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+            assert not owns_its_memory(weight)
+    model.train()  # training: every projection in memory of its own again, nothing fused, nothing more
+    assert fused_count(model) == 0 and storage_bytes(model) == before
+    assert all(owns_its_memory(p) for p in model.parameters())
+
+
+def test_weights_fused_under_inference_mode_still_train():
+    model = tiny_delta_model()
+    with torch.inference_mode():
+        model(IDS[:, :4], use_cache=True).cache  # a prefill: no fusing (more than one block) ...
+        cache = model(IDS[:, :4], use_cache=True).cache
+        model(IDS[:, 4:5], cache=cache)  # ... a decode step: fused
+    assert fused_count(model) == len(model.config.delta_layers)
+    assert not any(p.is_inference() for p in model.parameters())
+    model(IDS, labels=IDS).loss.backward()  # in eval mode, on the views
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
 
 
 @pytest.mark.parametrize("config", ["scalar gate", "channel gate", "GQA-shared state"])
@@ -221,6 +257,26 @@ def test_fused_linear_refuses_what_it_cannot_fuse():
     wrapped = Wrapped(8, 3, bias=False)
     wrapped.weight = plain[1].weight
     assert not fused.is_current([plain[0], wrapped])  # the same tensors behind a wrapper
+
+
+def test_a_projection_with_a_forward_hook_is_called_on_its_own():
+    model = tiny_delta_model(seed=0)
+    want = decode_logits(model, IDS)  # fused
+    attention = model.model.layers[0].self_attn
+    inputs = []
+    hook = attention.b_proj.register_forward_hook(lambda module, args, output: inputs.append(args[0].shape))
+    got = decode_logits(model, IDS)
+    assert len(inputs) == 2 + 5 and fused_count(model) == len(model.config.delta_layers) - 1  # full, prefill, steps
+    assert (got - want).abs().max() <= FLOAT32_ATOL
+    hook.remove()
+    inputs.clear()
+    global_hook = torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
+    try:
+        assert (decode_logits(model, IDS) - want).abs().max() <= FLOAT32_ATOL and fused_count(model) == 0
+    finally:
+        global_hook.remove()
+    decode_logits(model, IDS)
+    assert not inputs and fused_count(model) == len(model.config.delta_layers)
 
 
 def test_a_checkpoint_saved_from_a_fused_model_loads_unchanged(tmp_path):
