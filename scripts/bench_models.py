@@ -134,9 +134,9 @@ def delta_layer_ms_per_token(model, cache, repeats: int = 50) -> float:
     return seconds * 1e3
 
 
-def run_decode_benchmark(models: dict, contexts, steps: int, log=print, rounds: int = 4) -> dict:
+def run_decode_benchmark(models: dict, contexts, steps: int, log=print) -> dict:
     """Decode ms/token and cache bytes per model and context: one delta layer alone, then the models' whole steps,
-    interleaved in `rounds` turns (the median of `steps` steps each)."""
+    one step of each model in turn (the median of `steps` steps each)."""
     rows = []
     if "delta" in models:
         for context in contexts:
@@ -153,16 +153,19 @@ def run_decode_benchmark(models: dict, contexts, steps: int, log=print, rounds: 
         if name in ("hybrid", "llama"):
             variants.append((name, "static"))
     for context in contexts:
-        # every model's steps in `rounds` turns, one model after another (a warm-up step at each turn), so that a
-        # slower or faster spell of a shared machine falls on all of them alike
-        caches = {v: synthesized_cache(models[v[0]], context, static_steps=steps + rounds + 4 if v[1] else None)
+        # one untimed step of every model, then one timed step of each in turn: a slower or faster spell of a shared
+        # machine falls on all of them alike, and every model's step starts after the others' steps (its weights
+        # no warmer than theirs). Turns of several steps per model read 20-35% apart from run to run on a busy
+        # machine; steps in turn agree within a few percent.
+        caches = {v: synthesized_cache(models[v[0]], context, static_steps=steps + 5 if v[1] else None)
                   for v in variants}
         tokens = {v: torch.tensor([[17]]) for v in variants}
         times = {v: [] for v in variants}
-        for turn in range(rounds):
+        for v in variants:
+            _, tokens[v] = decode_step_times(models[v[0]], caches[v], tokens[v], 0)
+        for _ in range(steps):
             for v in variants:
-                count = steps // rounds + (turn < steps % rounds)
-                measured, tokens[v] = decode_step_times(models[v[0]], caches[v], tokens[v], count)
+                measured, tokens[v] = decode_step_times(models[v[0]], caches[v], tokens[v], 1, warmup=0)
                 times[v] += measured
         for (name, kind), cache in caches.items():
             label = name if kind is None else f"{name}+StaticCache"
@@ -172,9 +175,9 @@ def run_decode_benchmark(models: dict, contexts, steps: int, log=print, rounds: 
             log(f"decode {label:20s} context {context:6d}: {ms:8.2f} ms/token, cache {size / 2**20:8.1f} MiB")
         del caches
         gc.collect()
-    return {"steps": steps, "rounds": rounds,
-            "cache": f"synthesized (random tensors of the right shapes), then real decode steps, the models taking "
-                     f"turns ({steps} steps each in all, in {rounds} turns)",
+    return {"steps": steps,
+            "cache": f"synthesized (random tensors of the right shapes), then real decode steps, one step of each "
+                     f"model in turn ({steps} timed steps each, after one untimed)",
             "rows": rows}
 
 

@@ -46,7 +46,8 @@ class Options:
         "help": f"models for decode/prefill, a comma-separated subset of {MODELS} (delta-gqa: one state per KV "
                 f"head; delta-gqa-ungated: that without the output gate)"})
     decode_contexts: str = field(default="1024,4096,16384,65536", metadata={"help": "decode context lengths"})
-    decode_steps: int = field(default=8, metadata={"help": "timed decode steps per context (after 2 warm-up)"})
+    decode_steps: int = field(default=8, metadata={"help": "timed decode steps per context, one step of each model in "
+                                                            "turn (after one untimed step each)"})
     prefill_lengths: str = field(default="1024,4096,16384", metadata={"help": "prefill prompt lengths"})
     long_tokens: int = field(default=1 << 20, metadata={"help": "the long prompt"})
     long_reference_tokens: int = field(default=8192, metadata={"help": "the same model at this length, to compare"})

@@ -465,7 +465,7 @@ def test_benchmark_builds_the_lean_all_delta_layouts_beside_llama():
     assert counts["delta-gqa-ungated"] - counts["llama"] == SMOKE_SHAPE["num_hidden_layers"] * extra
     assert counts["delta"] > counts["delta-gqa"] > counts["delta-gqa-ungated"]
 
-    decode = bench_models.run_decode_benchmark(models, [16], steps=2, rounds=2, log=lambda *_: None)
+    decode = bench_models.run_decode_benchmark(models, [16], steps=2, log=lambda *_: None)
     rows = {row["model"]: row for row in decode["rows"]}
     assert list(rows) == ["one delta layer", "delta", "delta-gqa", "delta-gqa-ungated", "llama", "llama+StaticCache"]
     assert rows["delta-gqa"]["cache_bytes"] == rows["delta-gqa-ungated"]["cache_bytes"]
