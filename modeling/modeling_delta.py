@@ -115,8 +115,10 @@ class FusedLinear:
             if any(linear.bias is not None for linear in linears):
                 self.bias = torch.cat([linear.weight.new_zeros(linear.out_features) if linear.bias is None
                                        else linear.bias for linear in linears])
-            # per layer: its parameters and the rows they now view
+            # per layer: its parameters and the rows they now view, with the views' (pointer, shape, stride), which
+            # `is_current` compares without slicing again (a decode step checks every layer)
             self._rows: list[tuple[nn.Parameter, nn.Parameter | None, int, int]] = []
+            self._views: list[tuple[tuple, tuple | None]] = []
             start = 0
             for linear in linears:
                 stop = start + linear.out_features
@@ -124,6 +126,8 @@ class FusedLinear:
                 if linear.bias is not None:
                     linear.bias.data = self.bias[start:stop]
                 self._rows.append((linear.weight, linear.bias, start, stop))
+                self._views.append((self._where(linear.weight), None if linear.bias is None else
+                                    self._where(linear.bias)))
                 start = stop
 
     @staticmethod
@@ -156,14 +160,17 @@ class FusedLinear:
         return (tensor.data_ptr() == rows.data_ptr() and tensor.shape == rows.shape and tensor.dtype == rows.dtype
                 and tensor.device == rows.device and tensor.stride() == rows.stride())
 
+    @staticmethod
+    def _where(tensor: torch.Tensor) -> tuple:
+        return tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device
+
     def is_current(self, linears: list[nn.Module]) -> bool:
         """Whether `linears` are still the plain `nn.Linear`s fused, each parameter on its rows of the fused tensors."""
         if len(linears) != len(self._rows):
             return False
-        for linear, (weight, bias, start, stop) in zip(linears, self._rows):
+        for linear, (weight, bias, _, _), (weight_view, bias_view) in zip(linears, self._rows, self._views):
             if not (self._plain(linear) and linear.weight is weight and linear.bias is bias
-                    and self._on_rows(linear.weight, self.weight, start, stop)
-                    and self._on_rows(linear.bias, self.bias if bias is not None else None, start, stop)):
+                    and self._where(weight) == weight_view and (bias is None or self._where(bias) == bias_view)):
                 return False
         return True
 
