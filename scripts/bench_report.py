@@ -137,7 +137,8 @@ def target_checks(results: dict) -> list[str]:
 def markdown(results: dict) -> str:
     env = results["environment"]
     lines = [
-        f"Machine: {env['cpu']}, {env['cores']} cores, torch {env['torch']}, transformers {env['transformers']}, "
+        f"Machine: {env['cpu']}{f' ({vendor})' if (vendor := env.get('cpu_vendor')) else ''}, {env['cores']} cores, "
+        f"torch {env['torch']}, transformers {env['transformers']}, "
         f"{env['threads']} threads, load average before the run {env['load_before']}.",
         "",
     ]

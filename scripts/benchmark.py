@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from delta_attention.modeling.few_rows_linear import cpu_vendor
+
 from .bench_kernels import run_kernel_benchmark
 from .bench_models import (DEFAULT_MODELS, MODELS, build_models, run_decode_benchmark, run_long_prompt_benchmark,
                            run_prefill_benchmark, with_packed_weights)
@@ -80,6 +82,8 @@ def _environment() -> dict:
         "cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(),
         "load_before": " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a",
+        # the few-row float32 products follow the vendor's rules (modeling/few_rows_linear.py)
+        "cpu_vendor": cpu_vendor() or "unknown",
     }
 
 

@@ -276,6 +276,7 @@ def test_benchmark_pipeline_runs_end_to_end(tmp_path):
     import json
     import queue
 
+    from delta_attention.modeling import few_rows_linear
     from delta_attention.scripts import bench_models, bench_report, benchmark
 
     options = benchmark.Options(smoke=True, parts="kernel,decode,prefill", output_dir=str(tmp_path),
@@ -283,6 +284,9 @@ def test_benchmark_pipeline_runs_end_to_end(tmp_path):
     assert benchmark.run(options) == 0
     results = json.loads((tmp_path / "benchmark.json").read_text())
     assert {"kernel", "decode", "prefill", "environment"} <= set(results)
+    vendor = results["environment"]["cpu_vendor"]  # which few-row rules the products followed
+    assert vendor == (few_rows_linear.cpu_vendor() or "unknown")
+    assert f"({vendor})" in (tmp_path / "benchmark.md").read_text()
     kernel = results["kernel"]
     measured = {(row["gate"], row["dtype"], row["pass"], row["T"]) for row in kernel["rows"]}
     assert len(kernel["rows"]) == len(measured) == 8  # every (gate, dtype, pass) at the smoke length, once
