@@ -191,6 +191,23 @@ class FusedLinear:
         return F.linear(x, self.weight, self.bias)
 
 
+def _state_dict_without_fused_views(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    """A `state_dict` post-hook: the entries that are views of a layer's fused input projection become copies of their
+    own, so no caller sees tensors sharing memory (safetensors' `save_model` refuses disjoint views of one tensor, and
+    accelerate's `save_model` would keep only one of them). Parameters (`keep_vars=True`) stay as they are."""
+    fused = module.__dict__.get("_fused_inputs")
+    if fused is None:
+        return
+    storages = {t.untyped_storage().data_ptr() for t in (fused.weight, fused.bias) if t is not None}
+    for name in module.input_projections:
+        for kind in ("weight", "bias"):
+            key = f"{prefix}{name}.{kind}"
+            value = state_dict.get(key)
+            if (isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
+                    and value.untyped_storage().data_ptr() in storages):
+                state_dict[key] = value.clone()
+
+
 class PackedDocuments:
     """The documents packed into the rows of a batch (position ids restarting at 0, as `DataCollatorWithFlattening`
     produces), and the maps between the packed rows and a right-padded batch of one document per row.
@@ -309,6 +326,7 @@ class DeltaAttention(nn.Module):
         if config.linear_output_gate:
             self.input_widths.append(self.value_dim)
         self._fused_inputs: FusedLinear | None = None
+        self.register_state_dict_post_hook(_state_dict_without_fused_views)
 
     def __setattr__(self, name, value):
         if name in self.__dict__.get("input_projections", ()):  # a projection swapped (PEFT wrapping or unloading)

@@ -279,6 +279,30 @@ def test_a_projection_with_a_forward_hook_is_called_on_its_own():
     assert not inputs and fused_count(model) == len(model.config.delta_layers)
 
 
+def test_a_fused_model_saves_whole_through_safetensors_and_accelerate(tmp_path):
+    from accelerate import Accelerator
+    from safetensors.torch import load_model, save_model
+
+    model = tiny_delta_model(seed=0)
+    want = decode_logits(model, IDS)
+    assert fused_count(model) == len(model.config.delta_layers)
+    state = model.state_dict()
+    storages = [t.untyped_storage().data_ptr() for t in state.values()]
+    tied = model.config.tie_word_embeddings  # the tied embedding and head share one tensor, as in any model
+    assert len(set(storages)) == len(storages) - tied  # no other entry shares memory with another
+    assert all(isinstance(t, torch.nn.Parameter) for t in model.state_dict(keep_vars=True).values())
+
+    save_model(model, str(tmp_path / "model.safetensors"))  # refused disjoint views of one tensor
+    Accelerator().save_model(model, tmp_path / "accelerate")  # kept one name of each group of shared tensors
+    for load in (lambda m: load_model(m, str(tmp_path / "model.safetensors")),
+                 lambda m: m.load_state_dict(load_file(tmp_path / "accelerate" / "model.safetensors"), strict=False)):
+        other = tiny_delta_model(seed=7)
+        load(other)
+        assert (decode_logits(other, IDS) - want).abs().max() <= FLOAT32_ATOL
+    saved = load_file(tmp_path / "accelerate" / "model.safetensors")
+    assert set(state) - set(saved) <= {"lm_head.weight"}  # every projection kept (the tied head: as accelerate does)
+
+
 def test_a_checkpoint_saved_from_a_fused_model_loads_unchanged(tmp_path):
     never_fused = tiny_delta_model(num_hidden_layers=4, layer_types=HYBRID_LAYERS, sliding_window=6)
     never_fused.save_pretrained(tmp_path / "plain")
