@@ -133,10 +133,9 @@ def test_fused_projections_are_the_default_and_move_the_weights_without_a_copy()
 
 def test_weights_fused_under_inference_mode_still_train():
     model = tiny_delta_model()
-    with torch.inference_mode():
-        model(IDS[:, :4], use_cache=True).cache  # a prefill: no fusing (more than one block) ...
+    with torch.inference_mode():  # a prefill and a decode step (any forward without autograd fuses)
         cache = model(IDS[:, :4], use_cache=True).cache
-        model(IDS[:, 4:5], cache=cache)  # ... a decode step: fused
+        model(IDS[:, 4:5], cache=cache)
     assert fused_count(model) == len(model.config.delta_layers)
     assert not any(p.is_inference() for p in model.parameters())
     model(IDS, labels=IDS).loss.backward()  # in eval mode, on the views
@@ -281,6 +280,7 @@ def test_a_projection_with_a_forward_hook_is_called_on_its_own():
 
 def test_a_fused_model_saves_whole_through_safetensors_and_accelerate(tmp_path):
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from safetensors.torch import load_model, save_model
 
     model = tiny_delta_model(seed=0)
@@ -293,7 +293,10 @@ def test_a_fused_model_saves_whole_through_safetensors_and_accelerate(tmp_path):
     assert all(isinstance(t, torch.nn.Parameter) for t in model.state_dict(keep_vars=True).values())
 
     save_model(model, str(tmp_path / "model.safetensors"))  # refused disjoint views of one tensor
-    Accelerator().save_model(model, tmp_path / "accelerate")  # kept one name of each group of shared tensors
+    try:
+        Accelerator().save_model(model, tmp_path / "accelerate")  # kept one name of each group of shared tensors
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)  # as the training loop does before its own
     for load in (lambda m: load_model(m, str(tmp_path / "model.safetensors")),
                  lambda m: m.load_state_dict(load_file(tmp_path / "accelerate" / "model.safetensors"), strict=False)):
         other = tiny_delta_model(seed=7)
