@@ -29,18 +29,20 @@ def _shifted_sum(source: torch.Tensor, weight: torch.Tensor, new_tokens: int, re
     [B, T, D], the last T positions (`reverse`: the first T)."""
     length, width = source.shape[1], weight.shape[-1]
     first = length - new_tokens if not reverse else 0  # the first output position, in `source`'s positions
-    # one conversion, then float32 ops: mixed-dtype multiply-adds (16-bit source, float32 sums) take twice as long
-    source, weight = source.float(), weight.float()
-    out = source[:, first : first + new_tokens] * weight[:, -1]  # the tap without a shift
+    # one conversion, then float32 ops: mixed-dtype multiply-adds (16-bit source, float32 sums) take twice as long;
+    # the weight as [K, D], each tap's D weights contiguous: broadcasting a strided column of the [D, K] weight made
+    # every pass 3.7x slower (1,024 x 1,728 inputs, two threads: 1.1 against 0.3 ms)
+    source, taps = source.float(), weight.float().t().contiguous()
+    out = source[:, first : first + new_tokens] * taps[-1]  # the tap without a shift
     for tap in range(width - 1):
         shift = width - 1 - tap
         if not reverse:  # out[t] += w[tap] * source[first + t - shift], for first + t - shift >= 0
             skip = max(shift - first, 0)
-            out[:, skip:].addcmul_(source[:, first + skip - shift : first + new_tokens - shift], weight[:, tap])
+            out[:, skip:].addcmul_(source[:, first + skip - shift : first + new_tokens - shift], taps[tap])
         else:  # out[t] += w[tap] * source[t + shift], for t + shift < L
             keep = min(new_tokens, length - shift)
             if keep > 0:
-                out[:, :keep].addcmul_(source[:, shift : shift + keep], weight[:, tap])
+                out[:, :keep].addcmul_(source[:, shift : shift + keep], taps[tap])
     return out
 
 
