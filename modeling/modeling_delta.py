@@ -115,19 +115,17 @@ class FusedLinear:
             if any(linear.bias is not None for linear in linears):
                 self.bias = torch.cat([linear.weight.new_zeros(linear.out_features) if linear.bias is None
                                        else linear.bias for linear in linears])
-            # per layer: its parameters and the rows they now view, with the views' (pointer, shape, stride), which
-            # `is_current` compares without slicing again (a decode step checks every layer)
-            self._rows: list[tuple[nn.Parameter, nn.Parameter | None, int, int]] = []
-            self._views: list[tuple[tuple, tuple | None]] = []
+            # per layer: its parameters and where their views of the fused rows are (pointer, shape, stride, dtype,
+            # device), which `is_current` and `release` compare without slicing again (a decode step checks every layer)
+            self._rows: list[tuple[nn.Parameter, nn.Parameter | None, tuple, tuple | None]] = []
             start = 0
             for linear in linears:
                 stop = start + linear.out_features
                 linear.weight.data = self.weight[start:stop]
                 if linear.bias is not None:
                     linear.bias.data = self.bias[start:stop]
-                self._rows.append((linear.weight, linear.bias, start, stop))
-                self._views.append((self._where(linear.weight), None if linear.bias is None else
-                                    self._where(linear.bias)))
+                self._rows.append((linear.weight, linear.bias, self._where(linear.weight),
+                                   None if linear.bias is None else self._where(linear.bias)))
                 start = stop
 
     @staticmethod
@@ -152,36 +150,27 @@ class FusedLinear:
         )
 
     @staticmethod
-    def _on_rows(tensor: torch.Tensor | None, fused: torch.Tensor | None, start: int, stop: int) -> bool:
-        # whether `tensor` is exactly the rows start:stop of `fused` (both None: a layer without bias)
-        if tensor is None or fused is None:
-            return tensor is None
-        rows = fused[start:stop]
-        return (tensor.data_ptr() == rows.data_ptr() and tensor.shape == rows.shape and tensor.dtype == rows.dtype
-                and tensor.device == rows.device and tensor.stride() == rows.stride())
-
-    @staticmethod
     def _where(tensor: torch.Tensor) -> tuple:
+        # where a tensor's data is; while the fused tensors live, no other tensor can have a view's `_where`
         return tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device
 
     def is_current(self, linears: list[nn.Module]) -> bool:
         """Whether `linears` are still the plain `nn.Linear`s fused, each parameter on its rows of the fused tensors."""
         if len(linears) != len(self._rows):
             return False
-        for linear, (weight, bias, _, _), (weight_view, bias_view) in zip(linears, self._rows, self._views):
+        for linear, (weight, bias, weight_rows, bias_rows) in zip(linears, self._rows):
             if not (self._plain(linear) and linear.weight is weight and linear.bias is bias
-                    and self._where(weight) == weight_view and (bias is None or self._where(bias) == bias_view)):
+                    and self._where(weight) == weight_rows and (bias is None or self._where(bias) == bias_rows)):
                 return False
         return True
 
     def release(self) -> None:
         """Give every parameter still on its rows memory of its own (a copy), so that the fused tensors are freed."""
         with torch.no_grad():
-            for weight, bias, start, stop in self._rows:
-                if self._on_rows(weight, self.weight, start, stop):
-                    weight.data = weight.data.clone()
-                if bias is not None and self._on_rows(bias, self.bias, start, stop):
-                    bias.data = bias.data.clone()
+            for weight, bias, weight_rows, bias_rows in self._rows:
+                for parameter, rows in ((weight, weight_rows), (bias, bias_rows)):
+                    if parameter is not None and self._where(parameter) == rows:
+                        parameter.data = parameter.data.clone()
         self._rows = []
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -341,8 +330,11 @@ class DeltaAttention(nn.Module):
         self.__dict__["_fused_inputs"] = None
 
     def _apply(self, fn, recurse=True):
-        self._fused_inputs = None  # `.to()`, `.half()`, ...: fused again from the converted weights when next used
-        return super()._apply(fn, recurse)
+        # `.to()`, `.half()`, ...: fused again from the converted weights when next used; a parameter `fn` left in
+        # place (a `.to()` to where it already is) still views the old rows and gets its own memory back
+        module = super()._apply(fn, recurse)
+        self._release_fused_inputs()
+        return module
 
     def train(self, mode: bool = True):
         if mode:
@@ -355,7 +347,7 @@ class DeltaAttention(nn.Module):
         linears = [getattr(self, name) for name in self.input_projections]
         if self._fused_inputs is not None and self._fused_inputs.is_current(linears):
             return self._fused_inputs
-        self._fused_inputs = None  # fusing again moves every parameter onto the new tensors: the old ones are freed
+        self._release_fused_inputs()  # no parameter keeps viewing stale rows, whether or not the layers fuse again
         if FusedLinear.fits(linears):
             self._fused_inputs = FusedLinear(linears)
         return self._fused_inputs

@@ -204,6 +204,9 @@ def test_fused_weights_follow_dtype_round_trips_and_optimizer_steps():
     decode_logits(model, IDS)
     model.to(torch.float32)  # values now rounded to bf16: the float32 copy fused first must not come back
     assert fused_count(model) == 0
+    decode_logits(model, IDS)
+    model.to("cpu")  # where it already is: the parameters stay put, and no longer view the dropped fused rows
+    assert fused_count(model) == 0 and all(owns_its_memory(p) for p in model.parameters())
     assert (decode_logits(model, IDS) - reference_logits(model, IDS)).abs().max() <= FLOAT32_ATOL
 
     # an optimizer step in eval mode (no `train()` to drop the fused weights): the version counters tell
@@ -272,6 +275,7 @@ def test_a_projection_with_a_forward_hook_is_called_on_its_own():
     global_hook = torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
     try:
         assert (decode_logits(model, IDS) - want).abs().max() <= FLOAT32_ATOL and fused_count(model) == 0
+        assert all(owns_its_memory(p) for p in model.parameters())  # unfused: no parameter left on stale rows
     finally:
         global_hook.remove()
     decode_logits(model, IDS)
