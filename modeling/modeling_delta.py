@@ -43,6 +43,7 @@ from .configuration_delta import DeltaConfig
 from .delta_cache import (
     DEFAULT_MAX_ROLLBACK, DeltaCache, DeltaLinearAttentionLayer, cached_length, stop_recording, use_delta_layers,
 )
+from .compiled_step import ACTIVATIONS, TokenStepSpec, TokenStepWeights, compiled_layer_token_step
 from .delta_block import block_delta_rule
 from .delta_prefill import KeptHidden, release_freed_memory
 from .delta_rule import chunk_delta_rule, delta_step_inplace, recurrent_delta_rule
@@ -753,6 +754,11 @@ class DeltaMLP(nn.Module):
 
 
 class DeltaDecoderLayer(GradientCheckpointingLayer):
+    # an opt-in of CPU inference (`DeltaPreTrainedModel.enable_compiled_decode`): a delta layer's decode step, one new
+    # token per row, runs the whole layer as one `torch.compile`d function (`compiled_step.py`) where
+    # `_token_step_inputs` allows it, and the eager path otherwise
+    compiled_decode = False
+
     def __init__(self, config: DeltaConfig, layer_idx: int):
         super().__init__()
         self.layer_type = config.layer_types[layer_idx]
@@ -773,6 +779,10 @@ class DeltaDecoderLayer(GradientCheckpointingLayer):
         documents: PackedDocuments | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
+        if self.compiled_decode and hidden_states.shape[1] == 1 and attention_mask is None and documents is None:
+            output = self._compiled_token_step(hidden_states, cache)
+            if output is not None:
+                return output
         residual = hidden_states
         hidden_states = self._norm(self.input_layernorm, hidden_states)
         if self.layer_type == "linear_attention":
@@ -788,6 +798,82 @@ class DeltaDecoderLayer(GradientCheckpointingLayer):
         residual = hidden_states
         hidden_states = self.mlp(self._norm(self.post_attention_layernorm, hidden_states))
         return residual + hidden_states
+
+    def _compiled_token_step(self, hidden_states: torch.Tensor, cache: Cache | None) -> torch.Tensor | None:
+        """`forward` of a delta layer for one new token per row through the compiled `layer_token_step`, updating
+        the cache entry in place; None (nothing done) where the eager path must run: not a delta layer, a step the
+        fast inference path would not take (`DeltaAttention._steps_fast`), a cache recording for a rollback, a
+        part of the layer the function does not know (`_token_step_inputs`), or no working compiler."""
+        attention = self.self_attn
+        if self.layer_type != "linear_attention" or not attention._steps_fast(hidden_states, cache):
+            return None
+        layer = cache.layers[attention.layer_idx]
+        if layer.record_past:  # the step's inputs are recorded for a rollback (speculative decoding): eager
+            return None
+        conv_window = layer.conv_states[0] if attention.conv_kernel_size > 0 else None
+        if conv_window is not None and conv_window.shape[-1] != attention.conv_kernel_size:
+            return None
+        inputs = self._token_step_inputs()
+        if inputs is None:
+            return None
+        output = compiled_layer_token_step(hidden_states, conv_window, layer.recurrent_states[0], *inputs)
+        if output is not None:
+            layer.count_updated_in_place(new_tokens=1)
+        return output
+
+    def _token_step_inputs(self) -> tuple[TokenStepWeights, TokenStepSpec] | None:
+        """This delta layer's tensors and spec for `layer_token_step`; None where the function would not compute
+        what `forward` does: a part replaced or wrapped (PEFT, quantization), a forward hook (own or global: the
+        function calls no module) or an accelerate hook on any part, input projections that cannot be fused
+        (`FusedLinear`), or an activation outside `compiled_step.ACTIVATIONS`."""
+        attention, mlp = self.self_attn, self.mlp
+        config = attention.config
+        parts = [(attention, DeltaAttention), (mlp, DeltaMLP), (attention.o_proj, DeltaLinear),
+                 (attention.o_norm, DeltaHeadRMSNorm), (self.input_layernorm, DeltaRMSNorm),
+                 (self.post_attention_layernorm, DeltaRMSNorm), (mlp.gate_proj, DeltaLinear),
+                 (mlp.up_proj, DeltaLinear), (mlp.down_proj, DeltaLinear)]
+        if attention.gate == "channel":
+            parts.append((attention.a_up_proj, DeltaLinear))
+        if config.use_qk_norm:
+            parts += [(attention.q_norm, DeltaRMSNorm), (attention.k_norm, DeltaRMSNorm)]
+        if attention.conv_kernel_size > 0:
+            parts.append((attention.conv1d, nn.Conv1d))
+        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks or not all(
+            type(module) is kind and "_hf_hook" not in module.__dict__
+            and not (module._forward_hooks or module._forward_pre_hooks) for module, kind in parts
+        ):
+            return None
+        conv_activation = config.linear_conv_activation or None
+        gate_activation = config.linear_output_gate_activation if config.linear_output_gate else None
+        if any(name is not None and name not in ACTIVATIONS for name in (conv_activation, gate_activation)) or (
+            config.hidden_act not in ACTIVATIONS
+        ):
+            return None
+        fused = attention._fused_input_projection() if attention.fuse_projections else None
+        if fused is None:
+            return None
+        spec = TokenStepSpec(
+            heads=attention.num_heads, state_heads=attention.num_state_heads, key_dim=attention.key_head_dim,
+            value_dim=attention.value_head_dim, input_widths=tuple(attention.input_widths), gate=attention.gate,
+            conv_activation=conv_activation, has_conv=attention.conv_kernel_size > 0, qk_norm=config.use_qk_norm,
+            allow_neg_eigval=attention.allow_neg_eigval, log_decay_floor=attention.log_decay_floor,
+            output_gate_activation=gate_activation, mlp_activation=config.hidden_act,
+            rms_norm_eps=self.input_layernorm.variance_epsilon, l2_norm_eps=L2_NORM_EPS,
+        )
+        gated = attention.gate != "none"
+        weights = TokenStepWeights(
+            input_norm=self.input_layernorm.weight, inputs_weight=fused.weight, inputs_bias=fused.bias,
+            conv_weight=attention.conv1d.weight[:, 0] if spec.has_conv else None,
+            dt_bias=attention.dt_bias if gated else None, A_log=attention.A_log if gated else None,
+            a_up_weight=attention.a_up_proj.weight if attention.gate == "channel" else None,
+            q_norm=attention.q_norm.weight if config.use_qk_norm else None,
+            k_norm=attention.k_norm.weight if config.use_qk_norm else None,
+            o_norm=attention.o_norm.weight, o_weight=attention.o_proj.weight, o_bias=attention.o_proj.bias,
+            post_norm=self.post_attention_layernorm.weight, gate_weight=mlp.gate_proj.weight,
+            gate_bias=mlp.gate_proj.bias, up_weight=mlp.up_proj.weight, up_bias=mlp.up_proj.bias,
+            down_weight=mlp.down_proj.weight, down_bias=mlp.down_proj.bias,
+        )
+        return weights, spec
 
     def _norm(self, norm: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
         # a delta layer's fast inference path (`DeltaAttention._inference_fast`) runs the RMSNorm as one op,
@@ -838,6 +924,24 @@ class DeltaPreTrainedModel(PreTrainedModel):
     def unpack_linear_weights(self) -> None:
         """Free the copies `pack_linear_weights` made; the layers go back to their usual path."""
         unpack_linear_weights(self)
+
+    def enable_compiled_decode(self) -> None:
+        """For CPU inference: run each delta layer's decode step (one new token per row) as one function compiled by
+        `torch.compile` (`modeling/compiled_step.py`), which fuses the layer's small ops between its matmuls. Compiled at
+        the first decode step (~10 s on two cores) and again for another batch size or dtype; where inductor cannot
+        compile, one warning and the eager path. Outputs agree with the eager path to float32 rounding (bf16: to
+        bf16 rounding); steps the function does not cover (prefill, several tokens, a recording cache, hooks, LoRA
+        wrappers) stay eager. `disable_compiled_decode` turns it off."""
+        self._set_compiled_decode(True)
+
+    def disable_compiled_decode(self) -> None:
+        """Back to the eager decode step (`enable_compiled_decode` undone)."""
+        self._set_compiled_decode(False)
+
+    def _set_compiled_decode(self, enabled: bool) -> None:
+        for module in self.modules():
+            if isinstance(module, DeltaDecoderLayer):
+                module.compiled_decode = enabled
 
 
 class DeltaModel(DeltaPreTrainedModel):

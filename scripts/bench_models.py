@@ -150,7 +150,8 @@ def run_decode_benchmark(models: dict, contexts, steps: int, log=print) -> dict:
     variants = []
     for name, model in models.items():
         variants.append((name, None))
-        if name in ("hybrid", "llama"):
+        softmax_layers = any(kind != "linear_attention" for kind in getattr(model.config, "layer_types", None) or [""])
+        if softmax_layers and not name.endswith("+packed"):
             variants.append((name, "static"))
     for context in contexts:
         # one untimed step of every model, then one timed step of each in turn: a slower or faster spell of a shared
@@ -203,11 +204,25 @@ def with_packed_weights(models: dict, log=print, min_bytes: int | None = None) -
     return out
 
 
+def with_compiled_decode(models: dict) -> dict:
+    """`models` and, beside each delta model, a copy whose delta layers decode through the compiled step
+    (`enable_compiled_decode`) as "NAME+compiled"."""
+    out = {}
+    for name, model in models.items():
+        out[name] = model
+        if hasattr(model, "enable_compiled_decode") and not name.endswith("+packed"):
+            compiled = copy.deepcopy(model)
+            compiled.enable_compiled_decode()
+            out[f"{name}+compiled"] = compiled
+    return out
+
+
 def run_prefill_benchmark(models: dict, lengths, log=print) -> dict:
-    """Prefill tokens/s per model and prompt length (the packed copies are skipped: a prompt has more rows than a
-    packed weight takes, so they would time the same path again)."""
+    """Prefill tokens/s per model and prompt length (the packed and compiled copies are skipped: a prompt has more
+    rows than a packed weight takes, and more tokens than the compiled step, so they would time the same path
+    again)."""
     rows = []
-    models = {name: model for name, model in models.items() if not name.endswith("+packed")}
+    models = {name: model for name, model in models.items() if not name.endswith(("+packed", "+compiled"))}
     for length in lengths:
         for name, model in models.items():
             rate = prefill_tokens_per_second(model, length, model.config.vocab_size)

@@ -23,7 +23,7 @@ from delta_attention.modeling.few_rows_linear import cpu_vendor
 
 from .bench_kernels import run_kernel_benchmark
 from .bench_models import (DEFAULT_MODELS, MODELS, build_models, run_decode_benchmark, run_long_prompt_benchmark,
-                           run_prefill_benchmark, with_packed_weights)
+                           run_prefill_benchmark, with_compiled_decode, with_packed_weights)
 from .bench_report import markdown, plot
 
 PARTS = ("kernel", "decode", "prefill", "long", "speculative")  # speculative: bench_speculative.py, not by default
@@ -57,6 +57,9 @@ class Options:
     threads: int = field(default=0, metadata={"help": "torch threads (0: torch's default)"})
     packed: bool = field(default=True, metadata={
         "help": "also time the delta models' decode with packed weights (pack_linear_weights; float32 only)"})
+    compiled: bool = field(default=True, metadata={
+        "help": "also time the delta models' decode with the compiled decode step (enable_compiled_decode) as "
+                "NAME+compiled"})
     quick: bool = field(default=False, metadata={"help": "small sizes: a quick run of a few minutes"})
     smoke: bool = field(default=False, metadata={"help": "tiny models and sizes: checks the pipeline, measures nothing"})
 
@@ -142,6 +145,7 @@ def _run(options: Options, parts: list[str]) -> int:
         models = build_models(dtype, shape, which=_names(options.models))
         if "decode" in parts:
             decoded = with_packed_weights(models, log) if options.packed and dtype == torch.float32 else models
+            decoded = with_compiled_decode(decoded) if options.compiled else decoded
             results["decode"] = run_decode_benchmark(decoded, contexts, options.decode_steps, log=log)
             del decoded
         if "prefill" in parts:
