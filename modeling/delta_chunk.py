@@ -194,8 +194,23 @@ class _Scores:
             self.left = (log_decay - reference.repeat_interleave(self.sub, dim=-2)).exp_()  # [..., C, K]
             right = (reference[..., :, None, :] - log_decay[..., None, :, :]).clamp_max_(LOG_SPAN_LIMIT).exp_()
             self.right_scale = right  # [..., n_sub, C, K]
-            self.x = qk * _as(self.left, qk.dtype)[..., None, :, :]  # [..., G + 1, C, K]
+            # x = [q; k] . exp(G_t - ref), laid out by sub-block with the G + 1 row blocks of each side by side,
+            # [..., n_sub, (G + 1) sub, K], so that each sub-block's products are one matmul over all its rows (a
+            # [..., G + 1, n_sub, sub, K] layout needs y broadcast to every row block: a copy G + 1 times y's size)
+            n_sub, groups = self.chunk // self.sub, qk.shape[-3]
+            x = qk.new_empty(*qk.shape[:-3], n_sub, groups, self.sub, qk.shape[-1])
+            torch.mul(self._by_sub_block(qk), _as(self.left, qk.dtype).unflatten(-2, (n_sub, self.sub))[..., None, :, :],
+                      out=x)
+            self.x = x.flatten(-3, -2)  # [..., n_sub, (G + 1) sub, K]
             self.y = self.k[..., None, :, :] * _as(right, qk.dtype)  # [..., n_sub, C, K]
+
+    def _by_sub_block(self, x: torch.Tensor) -> torch.Tensor:
+        # [..., G + 1, C, *] -> a view [..., n_sub, G + 1, sub, *] (sub-block first)
+        return x.unflatten(-2, (self.chunk // self.sub, self.sub)).transpose(-4, -3)
+
+    def _by_row_block(self, x: torch.Tensor, groups: int) -> torch.Tensor:
+        # [..., n_sub, (G + 1) sub, *] -> a view [..., G + 1, n_sub, sub, *] (row block first)
+        return x.unflatten(-2, (groups, self.sub)).transpose(-4, -3)
 
     def forward(self) -> torch.Tensor:
         """[..., G + 1, C, C] in the matmul dtype (float32 for "gamma"), M masked (see the class docstring)."""
@@ -206,9 +221,8 @@ class _Scores:
             scores = (self.qk.flatten(-3, -2) @ self.k.mT).unflatten(-2, (-1, self.chunk))  # [..., G + 1, C, C]
             scores = _as(scores, torch.float32).mul_(self.gamma[..., None, :, :])
         else:
-            n_sub, sub = self.chunk // self.sub, self.sub
-            x = self.x.unflatten(-2, (n_sub, sub))  # [..., G + 1, n_sub, sub, K]
-            scores = (x @ self.y.mT[..., None, :, :, :]).flatten(-3, -2)  # [..., G + 1, C, C]
+            groups = self.qk.shape[-3]
+            scores = self._by_row_block(self.x @ self.y.mT, groups).flatten(-3, -2)  # [..., G + 1, C, C] (a copy)
         if self.mode != "gamma":  # Gamma is already 0 above the diagonal
             scores[..., :-1, :, :].mul_(causal_mask(self.chunk, 0, scores.device, scores.dtype))
         return scores
@@ -237,12 +251,14 @@ class _Scores:
             d_qk[..., -1, :, :] += _as(flat.mT @ self.qk.flatten(-3, -2), torch.float32)
             contribution = (grad * gated).sum(-3)  # [..., C, C]
             return d_qk, None, None, contribution.sum(-1) - contribution.sum(-2)
-        n_sub, sub = self.chunk // self.sub, self.sub
-        grad_mm = grad.to(mm).unflatten(-2, (n_sub, sub))  # [..., G + 1, n_sub, sub, C]
-        hx = (grad_mm @ self.y[..., None, :, :, :]).flatten(-3, -2).float()  # [..., G + 1, C, K]
-        d_qk = hx * self.left[..., None, :, :]
-        x = self.x.unflatten(-2, (n_sub, sub))
-        hy = (grad_mm.mT @ x).sum(-4).float()  # [..., n_sub, C, K]: q rows and k rows summed
+        n_sub, sub, groups = self.chunk // self.sub, self.sub, grad.shape[-3]
+        grad_mm = grad.new_empty(*grad.shape[:-3], n_sub, groups, sub, grad.shape[-1], dtype=mm)
+        grad_mm = grad_mm.copy_(self._by_sub_block(grad)).flatten(-3, -2)  # [..., n_sub, (G + 1) sub, C]
+        hx = (grad_mm @ self.y).float()  # [..., n_sub, (G + 1) sub, K]
+        d_qk = grad.new_empty(*grad.shape[:-3], groups, n_sub, sub, hx.shape[-1])
+        torch.mul(self._by_row_block(hx, groups), self.left.unflatten(-2, (n_sub, sub))[..., None, :, :, :], out=d_qk)
+        d_qk = d_qk.flatten(-3, -2)  # [..., G + 1, C, K]
+        hy = (grad_mm.mT @ self.x).float()  # [..., n_sub, C, K]: over the sub-block's q rows and k rows at once
         d_right = (hy * self.right_scale).sum(-3)  # [..., C, K]
         d_log = (self.qk.float() * d_qk).sum(-3) - self.k.float() * d_right
         return d_qk, None, d_right, d_log
