@@ -838,9 +838,12 @@ class DeltaDecoderLayer(GradientCheckpointingLayer):
             parts += [(attention.q_norm, DeltaRMSNorm), (attention.k_norm, DeltaRMSNorm)]
         if attention.conv_kernel_size > 0:
             parts.append((attention.conv1d, nn.Conv1d))
+        activations = [module for module in (getattr(attention, "conv_act", None), getattr(attention, "gate_act", None),
+                                             mlp.act_fn) if isinstance(module, nn.Module)]
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks or not all(
-            type(module) is kind and "_hf_hook" not in module.__dict__
-            and not (module._forward_hooks or module._forward_pre_hooks) for module, kind in parts
+            type(module) is kind for module, kind in parts) or any(
+            "_hf_hook" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks
+            for module in [module for module, _ in parts] + activations
         ):
             return None
         conv_activation = config.linear_conv_activation or None

@@ -158,6 +158,11 @@ def test_hooks_and_lora_keep_their_layers_eager(eager_steps):
     assert len(seen) == 9 and len(eager_steps) == 7 * 2  # the hooked layer eager at each of the 7 steps
     handle.remove()
     eager_steps.clear()
+    handle = model.model.layers[0].mlp.act_fn.register_forward_pre_hook(lambda module, args: seen.append(0))
+    prefill_then_decode(model, IDS, PREFILL)
+    assert seen.count(0) == 9 and len(eager_steps) == 7 * 2  # a hook on an activation module runs too
+    handle.remove()
+    eager_steps.clear()
     global_handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, output: None)
     try:
         prefill_then_decode(model, IDS, PREFILL)
