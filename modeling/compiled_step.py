@@ -1,14 +1,14 @@
 """A delta decoder layer's decode step (one new token per row) as one function, and its `torch.compile`d form.
 
 An opt-in of CPU inference (`DeltaForCausalLM.enable_compiled_decode()`; docs/design.md, "Compiled decode step").
-Eagerly, a delta layer's decode step is about forty small ops around its five matmuls (norms, the conv window, the
+Eagerly, a delta layer's decode step is about forty small ops around its five or six matmuls (norms, the conv window, the
 q/k normalisation, beta and the decay, the state update, the output norm and gate, the residual adds, the MLP's
 activation), each paying PyTorch's per-op overhead on a single row. `layer_token_step` is the whole decoder layer
 for one token as one plain-PyTorch function of tensors, the same maths as the model's eager fast path
 (`DeltaAttention._inference_step` for one token, then the residual add and the MLP); `compiled_layer_token_step`
 runs it through `torch.compile` (inductor), which fuses everything between the matmuls into a few loops. All
 delta layers of a model share one compiled graph (weights are inputs; only shapes, dtypes and the `TokenStepSpec`
-make new ones), compiled at the first decode step: ~10 s on two CPU cores.
+make new ones), compiled at the first decode step: 6-9 s on two CPU cores at SmolLM2's shapes.
 
 Where inductor cannot compile (no working C++ compiler, an unsupported platform) `compiled_layer_token_step` logs one
 line (logger `__name__`, WARNING) and returns None from then on, and the model takes its eager path.
