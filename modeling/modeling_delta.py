@@ -930,11 +930,11 @@ class DeltaPreTrainedModel(PreTrainedModel):
 
     def enable_compiled_decode(self) -> None:
         """For CPU inference: run each delta layer's decode step (one new token per row) as one function compiled by
-        `torch.compile` (`modeling/compiled_step.py`), which fuses the layer's small ops between its matmuls. Compiled at
-        the first decode step (6-9 s on two cores for SmolLM2's shapes) and again for another batch size or dtype; where inductor cannot
-        compile, one warning and the eager path. Outputs agree with the eager path to float32 rounding (bf16: to
-        bf16 rounding); steps the function does not cover (prefill, several tokens, a recording cache, hooks, LoRA
-        wrappers) stay eager. `disable_compiled_decode` turns it off."""
+        `torch.compile` (`modeling/compiled_step.py`), which fuses the layer's small ops between its matmuls.
+        Compiled at the first decode step (6-9 s on two cores for SmolLM2's shapes) and again for another batch size
+        or dtype; where inductor cannot compile, one warning and the eager path. Outputs agree with the eager path
+        to float32 rounding (bf16: to bf16 rounding); steps the function does not cover (prefill, several tokens, a
+        recording cache, hooks, LoRA wrappers) stay eager. `disable_compiled_decode` turns it off."""
         self._set_compiled_decode(True)
 
     def disable_compiled_decode(self) -> None:
