@@ -112,6 +112,22 @@ HYBRID_LAYERS = ["linear_attention", "full_attention", "sliding_attention", "lin
 
 
 @pytest.fixture
+def fresh_compile():
+    """The project's compiled functions (the stage-2 KL, the decode step) compiled afresh within the test: dynamo's
+    caches and counters reset (it counts recompilations per code object, over every compiled wrapper), and each
+    function's remembered compile or failure forgotten, before and after."""
+    from delta_attention.conversion.training import softmax_kl
+    from delta_attention.modeling import compiled_step
+
+    torch._dynamo.reset()
+    for module in (softmax_kl, compiled_step):
+        module.reset_compiled()
+    yield
+    for module in (softmax_kl, compiled_step):
+        module.reset_compiled()
+
+
+@pytest.fixture
 def make_config():
     return tiny_delta_config
 

@@ -40,14 +40,6 @@ CONFIGS = {
 
 
 @pytest.fixture
-def fresh_compile():
-    torch._dynamo.reset()  # dynamo counts recompilations per code object, over every compiled wrapper
-    compiled_step.reset_compiled()
-    yield
-    compiled_step.reset_compiled()
-
-
-@pytest.fixture
 def eager_steps(monkeypatch):
     """`compiled_layer_token_step` replaced by the uncompiled function, counting the layers it runs (no compile)."""
     calls = []

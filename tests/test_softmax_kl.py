@@ -35,14 +35,6 @@ def test_the_eager_rows_and_gradient_are_the_summed_kl_and_its_autograd_gradient
     torch.testing.assert_close(gradient, reference_student.grad, rtol=1e-5, atol=1e-8)
 
 
-@pytest.fixture
-def fresh_compile():
-    torch._dynamo.reset()  # dynamo counts recompilations per code object, over every compiled wrapper
-    softmax_kl.reset_compiled()
-    yield
-    softmax_kl.reset_compiled()
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_compiled_kl_equals_the_eager_one(dtype, fresh_compile, caplog):
     caplog.set_level(logging.WARNING, logger=softmax_kl.__name__)
