@@ -1,8 +1,8 @@
 """A delta decoder layer's decode step (one new token per row) as one function, and its `torch.compile`d form.
 
 An opt-in of CPU inference (`DeltaForCausalLM.enable_compiled_decode()`; docs/design.md, "Compiled decode step").
-Eagerly, a delta layer's decode step is about forty small ops around its five or six matmuls (norms, the conv window, the
-q/k normalisation, beta and the decay, the state update, the output norm and gate, the residual adds, the MLP's
+Eagerly, a delta layer's decode step is about forty small ops around its five or six matmuls (norms, the conv window,
+the q/k normalisation, beta and the decay, the state update, the output norm and gate, the residual adds, the MLP's
 activation), each paying PyTorch's per-op overhead on a single row. `layer_token_step` is the whole decoder layer
 for one token as one plain-PyTorch function of tensors, the same maths as the model's eager fast path
 (`DeltaAttention._inference_step` for one token, then the residual add and the MLP); `compiled_layer_token_step`
@@ -105,8 +105,9 @@ def layer_token_step(hidden_states: torch.Tensor, conv_window: torch.Tensor | No
     mixed_qkv = mixed_qkv.reshape(batch, -1).float()
     query_key = mixed_qkv[:, : (heads + state_heads) * key_dim].unflatten(-1, (heads + state_heads, key_dim))
     if spec.qk_norm:
-        query_key = torch.cat([F.rms_norm(query_key[:, :heads], (key_dim,), weights.q_norm.float(), spec.rms_norm_eps),
-                               F.rms_norm(query_key[:, heads:], (key_dim,), weights.k_norm.float(), spec.rms_norm_eps)], 1)
+        eps = spec.rms_norm_eps
+        query_key = torch.cat([F.rms_norm(query_key[:, :heads], (key_dim,), weights.q_norm.float(), eps),
+                               F.rms_norm(query_key[:, heads:], (key_dim,), weights.k_norm.float(), eps)], 1)
     # l2_normalize(x) = rms_norm(x, eps / K) / sqrt(K); the queries also take the K^-0.5 scale
     query_key = F.rms_norm(query_key, (key_dim,), eps=spec.l2_norm_eps / key_dim)
     query = query_key[:, :heads] * (1.0 / key_dim)  # [B, H, K]

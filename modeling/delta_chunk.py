@@ -199,8 +199,8 @@ class _Scores:
             # [..., G + 1, n_sub, sub, K] layout needs y broadcast to every row block: a copy G + 1 times y's size)
             n_sub, groups = self.chunk // self.sub, qk.shape[-3]
             x = qk.new_empty(*qk.shape[:-3], n_sub, groups, self.sub, qk.shape[-1])
-            torch.mul(self._by_sub_block(qk), _as(self.left, qk.dtype).unflatten(-2, (n_sub, self.sub))[..., None, :, :],
-                      out=x)
+            left = _as(self.left, qk.dtype).unflatten(-2, (n_sub, self.sub))  # [..., n_sub, sub, K]
+            torch.mul(self._by_sub_block(qk), left[..., None, :, :], out=x)
             self.x = x.flatten(-3, -2)  # [..., n_sub, (G + 1) sub, K]
             self.y = self.k[..., None, :, :] * _as(right, qk.dtype)  # [..., n_sub, C, K]
 

@@ -150,8 +150,8 @@ def run_decode_benchmark(models: dict, contexts, steps: int, log=print) -> dict:
     variants = []
     for name, model in models.items():
         variants.append((name, None))
-        softmax_layers = any(kind != "linear_attention" for kind in getattr(model.config, "layer_types", None) or [""])
-        if softmax_layers and not name.endswith("+packed"):
+        kinds = getattr(model.config, "layer_types", None) or ["full_attention"]  # Llama: softmax layers only
+        if any(kind != "linear_attention" for kind in kinds) and not name.endswith("+packed"):
             variants.append((name, "static"))
     for context in contexts:
         # one untimed step of every model, then one timed step of each in turn: a slower or faster spell of a shared

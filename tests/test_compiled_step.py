@@ -211,7 +211,8 @@ ids = torch.randint(3, 97, (2, 10), generator=torch.Generator().manual_seed(1))
 _, want, want_cache = prefill_then_decode(model, ids, 4)
 _, got, got_cache = prefill_then_decode(compiled, ids, 4)
 assert torch.equal(got, want) and compiled_step._compile_failed
-assert all(torch.equal(a.recurrent_states[0], b.recurrent_states[0]) for a, b in zip(got_cache.layers, want_cache.layers))
+layers = zip(got_cache.layers, want_cache.layers)
+assert all(torch.equal(a.recurrent_states[0], b.recurrent_states[0]) for a, b in layers)
 print("EQUAL")
 """
 
