@@ -95,6 +95,14 @@ class DeltaHeadRMSNorm(nn.Module):
         return (self.weight.view(self.num_heads, self.head_dim) * hidden_states).to(input_dtype)
 
 
+def _intercepted(module: nn.Module) -> bool:
+    """Whether something runs around `module`'s forward when it is called: an accelerate hook, or a forward (pre-)hook
+    of its own or a global one. Code that computes a module's maths without calling it (`FusedLinear`, the compiled
+    decode step) must not skip those, so it leaves such a module to its own forward."""
+    return ("_hf_hook" in module.__dict__ or bool(module._forward_hooks or module._forward_pre_hooks)
+            or bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks))
+
+
 class FusedLinear:
     """Several `nn.Linear`s that read the same input, as one matmul, without a second copy of their weights: their
     weights are moved into one tensor [sum of out_features, in_features] (their biases into one [sum of out_features],
@@ -131,11 +139,9 @@ class FusedLinear:
 
     @staticmethod
     def _plain(linear: nn.Module) -> bool:
-        # a plain `nn.Linear` or `DeltaLinear` (not a PEFT or quantized wrapper) without accelerate hooks, and with no
-        # forward hooks, its own or global (they would not run: the fused product does not call the layer)
-        return (type(linear) in (nn.Linear, DeltaLinear) and "_hf_hook" not in linear.__dict__
-                and not (linear._forward_hooks or linear._forward_pre_hooks)
-                and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks))
+        # a plain `nn.Linear` or `DeltaLinear` (not a PEFT or quantized wrapper) that nothing intercepts (the fused
+        # product does not call the layer)
+        return type(linear) in (nn.Linear, DeltaLinear) and not _intercepted(linear)
 
     @staticmethod
     def fits(linears: list[nn.Module]) -> bool:
@@ -840,10 +846,8 @@ class DeltaDecoderLayer(GradientCheckpointingLayer):
             parts.append((attention.conv1d, nn.Conv1d))
         activations = [module for module in (getattr(attention, "conv_act", None), getattr(attention, "gate_act", None),
                                              mlp.act_fn) if isinstance(module, nn.Module)]
-        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks or not all(
-            type(module) is kind for module, kind in parts) or any(
-            "_hf_hook" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks
-            for module in [module for module, _ in parts] + activations
+        if not all(type(module) is kind for module, kind in parts) or any(
+            _intercepted(module) for module in [module for module, _ in parts] + activations
         ):
             return None
         conv_activation = config.linear_conv_activation or None
