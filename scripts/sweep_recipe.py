@@ -60,6 +60,8 @@ VARIANTS = {
     "data-generated-only": {"dataset": "generated:{generated}"},
     # the most varied training corpus (Brown: 15 genres) at 0.7 instead of 0.4: does text of other domains gain?
     "data-brown-0.7": {"dataset": "builtin:train:sotu=0.15,shakespeare=0.15,brown=0.7"},
+    # a quarter of modern technical prose (Django's documentation, an opt-in corpus), the others scaled to 0.75
+    "data-django-0.25": {"dataset": "builtin:train:sotu=0.2625,shakespeare=0.1875,brown=0.3,django=0.25"},
     "layers-uniform": {"keep_attention": "{keep_attention}"},
     # the delta layers themselves (convert options): one decay per key channel (KDA; the default since the ninth
     # sitting, so now the baseline's) or one per head (Gated DeltaNet, the default before), and beta in (0, 2)
@@ -78,6 +80,8 @@ VARIANTS = {
     "gate-channel-seed-1": {"gate": "channel", "seed": 1},
     # the twelfth sitting's leader at a CPU-hour's tokens (cross-domain 1.15x, top-1 75.3%), on seed 1
     "rank-by-conversion-seed-1": {"rank_by": "conversion", "seed": 1},
+    "data-django-0.25-seed-1": {"dataset": "builtin:train:sotu=0.2625,shakespeare=0.1875,brown=0.3,django=0.25",
+                                "seed": 1},
     # a leader is confirmed on seed 1 by a variant with both overrides (NAME-seed-1) before it becomes the default
 }
 #: the baseline's layer plan (convert's default form): the share `--keep_attention` chosen by `auto:`

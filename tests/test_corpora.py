@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 
 import pytest
 
@@ -58,7 +59,33 @@ def test_crossdomain_and_heldout_documents_never_reach_training():
     # every training document is in the unweighted training split, and nothing else is
     assert {(d.corpus, d.name) for d in assets.documents("train")}.isdisjoint(never_ids)
     assert len(assets.documents("train")) + len(heldout) + len(crossdomain) == sum(
-        len(list((assets.cache_dir() / "text" / c.name).glob("*.txt"))) for c in assets.CORPORA)
+        len(list((assets.cache_dir() / "text" / name).glob("*.txt"))) for name in assets.DEFAULT_CORPORA)
+
+
+def test_an_opt_in_corpus_is_read_only_where_named_and_keeps_its_heldout_part():
+    """django (weight 0) is in no default set; a mix that names it trains on its pages but never on the held-out
+    ones, which `builtin:heldout:django` scores."""
+    assert "django" in assets.TRAINABLE and "django" not in (*assets.TRAIN_WEIGHTS, *assets.DEFAULT_CORPORA)
+    for split in assets.SPLITS:
+        assert all(d.corpus != "django" for d in assets.documents(split))
+    assert all(d.corpus != "django" for d in builtin_documents("builtin:train") + builtin_documents("builtin:heldout"))
+    heldout = builtin_documents("builtin:heldout:django")
+    assert [d.name for d in heldout] == list(assets.HELDOUT_DJANGO) and all(d.split == "heldout" for d in heldout)
+    mix = builtin_documents("builtin:train:sotu=0.75,django=0.25")
+    pages = [d for d in mix if d.corpus == "django"]
+    assert pages and {d.corpus for d in mix} == {"sotu", "django"} and all(d.split == "train" for d in mix)
+    assert not {d.name for d in pages} & set(assets.HELDOUT_DJANGO)
+    assert not {digest(d.text) for d in heldout} & {digest(t) for t in load_texts("builtin:train:django")["text"]}
+    share = sum(d.path.stat().st_size for d in pages) / sum(d.path.stat().st_size for d in mix)
+    assert share == pytest.approx(0.25, abs=0.01)
+    # the pages read as prose: no reST roles, directives or title underlines left; release notes left out
+    every = assets.documents("train", corpora=["django"]) + heldout
+    assert len(every) > 250 and not any(d.name.startswith("releases") for d in every)
+    text = "".join(d.text for d in every)
+    assert ":setting:`" not in text and ":doc:`" not in text and "\n.. " not in text
+    assert not re.search(r"\n([=~^-])\1{2,}\n", text)  # title underlines (a table's borders stay)
+    tutorial = next(d.text for d in heldout if d.name == "intro_tutorial01")
+    assert tutorial.startswith("Writing your first Django app, part 1\n")
 
 
 @pytest.mark.parametrize("source, problem", [
@@ -67,7 +94,7 @@ def test_crossdomain_and_heldout_documents_never_reach_training():
     ("builtin:heldout:email", r"builtin:heldout:email is the evaluation split"),
     ("builtin:heldout:sotu", r"builtin:heldout:sotu is the evaluation split"),
     ("builtin:train:email=1", r"email is a cross-domain corpus, held out of training whole; mix the training "
-                              r"corpora sotu, shakespeare, brown"),
+                              r"corpora sotu, shakespeare, brown, django$"),
     ("builtin:train:sotu=1,bible=1", r"bible is a cross-domain corpus"),
     ("builtin:train:sotu=x", r"builtin:train:sotu=x: the weight of 'sotu' is not a number \('x'\)"),
     ("builtin:train:sotu=0", r"the weight of sotu must be > 0, got 0.0"),
@@ -143,6 +170,18 @@ def test_brown_tags_are_dropped_and_punctuation_attached():
                                                "A new paragraph?\n")
     # continuation lines (no tab) stay in their paragraph; the first paragraph needs no tab
     assert assets.brown_plain_text("It/pps ended/vbd ./.\n\nSo/rb did/dod we/ppss ./.\n") == "It ended. So did we.\n"
+
+
+def test_rest_pages_become_plain_text():
+    rest = (".. _sessions:\n\n===================\nHow to use sessions\n===================\n\n"
+            ".. module:: django.contrib.sessions\n   :synopsis: Sessions.\n\n"
+            "Edit the :setting:`MIDDLEWARE` setting (see :doc:`the middleware\n</ref/middleware>`) and call\n"
+            ":meth:`~django.http.HttpRequest.get_host` or ``request.session``::\n\n    request.session[\"k\"] = 1\n\n"
+            ".. warning::\n\n    Read :ref:`this <why>` first.\n\nExample\n-------\n\n::\n\n    x = 1\n")
+    assert assets.rest_plain_text(rest) == (
+        "How to use sessions\n\nEdit the `MIDDLEWARE` setting (see the middleware) and call\n"
+        "`get_host` or `request.session`:\n\n    request.session[\"k\"] = 1\n\n    Read this first.\n\n"
+        "Example\n\n    x = 1\n")
 
 
 def test_email_keeps_subject_and_plain_body_only():

