@@ -239,7 +239,7 @@ def rest_plain_text(rest: str) -> str:
         if stripped.startswith(".. "):
             in_options = "::" in stripped
             continue
-        if stripped == "::" or (_REST_UNDERLINE.fullmatch(stripped) and len(set(stripped)) == 1):
+        if stripped == "::" or _REST_UNDERLINE.fullmatch(stripped):  # one punctuation character, 3+ times
             continue
         line = line.rstrip()
         lines.append(line[:-1] if line.endswith("::") else line)
