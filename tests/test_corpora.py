@@ -117,6 +117,11 @@ def test_heldout_sets_by_corpus_and_the_missing_column_error():
         len(builtin_documents("builtin:heldout:email"))) + ["bible"] * 66
     with pytest.raises(ValueError, match="unknown corpus 'psalms'"):
         builtin_documents("builtin:heldout:psalms")
+    # several corpora: their parts in the order named, each once
+    several = builtin_documents("builtin:heldout:brown, bible,brown")
+    assert several == builtin_documents("builtin:heldout:brown") + bible
+    with pytest.raises(ValueError, match="builtin:heldout:, names no corpus"):
+        builtin_documents("builtin:heldout:,")
     # built-in sets have one column, `text`, like any other source (a chat loader asking for `messages` is told)
     with pytest.raises(ValueError, match=r"builtin:heldout:bible: no column 'messages' \(columns: \['text'\]\); "
                                          r"pass --messages_column"):

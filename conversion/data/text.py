@@ -5,7 +5,7 @@ A data source is one of
   their default weights, or `builtin:train:sotu=0.5,brown=0.5` for another mix, which may name an opt-in
   corpus such as `django`), and the evaluation sets that
   training never reads: `builtin:heldout` (the fixed held-out documents of the default mix's corpora),
-  `builtin:crossdomain` (the corpora held out whole) and `builtin:heldout:<corpus>` (one corpus's part of those);
+  `builtin:crossdomain` (the corpora held out whole) and `builtin:heldout:<corpus>[,<corpus>...]` (some corpora's part of those);
 * a local file or folder of `.txt`, `.jsonl`/`.json` or `.parquet` files;
 * a Hub dataset name, optionally `name:config` (loaded with `datasets.load_dataset`);
 * `generated:OUT`, the samples `generate-data` wrote (`generated.py`);
@@ -225,7 +225,7 @@ def _load_hub(source: str, split: str, streaming: bool):
 
 
 BUILTIN_SETS = ("builtin:train[:CORPUS=WEIGHT,...], builtin:heldout, builtin:crossdomain or "
-                "builtin:heldout:CORPUS")
+                "builtin:heldout:CORPUS[,CORPUS...]")
 
 
 def _builtin_weights(source: str, text: str) -> dict[str, float]:
@@ -252,9 +252,15 @@ def builtin_documents(source: str) -> list:
         return assets.training_documents(_builtin_weights(source, rest) if rest else None)
     if which in ("heldout", "crossdomain") and not rest:
         return assets.documents(which)
-    if which == "heldout":
-        item = assets.corpus(rest)
-        return assets.documents("crossdomain" if item.role == "crossdomain" else "heldout", corpora=[item.name])
+    if which == "heldout":  # one corpus's evaluation part, or several: builtin:heldout:sotu,brown
+        names = list(dict.fromkeys(n.strip() for n in rest.split(",") if n.strip()))
+        if not names:
+            raise ValueError(f"{source} names no corpus; use {BUILTIN_SETS}")
+        docs = []
+        for name in names:
+            item = assets.corpus(name)
+            docs += assets.documents("crossdomain" if item.role == "crossdomain" else "heldout", corpora=[item.name])
+        return docs
     raise ValueError(f"unknown built-in set {source!r}; use {BUILTIN_SETS}")
 
 
