@@ -21,9 +21,8 @@ def run(options: Options) -> int:
     for item in CORPORA:
         if item.role == "train":
             train, heldout = documents("train", root, [item.name]), documents("heldout", root, [item.name])
-            mix = (f"weight {item.weight:g} of builtin:train" if item.weight > 0
-                   else f"opt-in: builtin:train:...,{item.name}=WEIGHT")
-            print(f"{item.name}: {len(train)} training documents ({mix}), {len(heldout)} held out: "
+            print(f"{item.name}: {len(train)} training documents (weight {item.weight:g} of builtin:train), "
+                  f"{len(heldout)} held out: "
                   + ", ".join(d.name for d in heldout))
         else:
             print(f"{item.name}: {len(documents('crossdomain', root, [item.name]))} documents, held out whole "

@@ -76,7 +76,7 @@ def run(options: Options) -> int:
 
     count = max(1, options.eval_tokens // options.eval_seq_len)
     windows = token_windows(tokenizer, heldout_texts(), options.eval_seq_len, count)
-    print(f"\nheld-out perplexity ({windows.numel():,} tokens of held-out State of the Union and Shakespeare):")
+    print(f"\nheld-out perplexity ({windows.numel():,} tokens of the training corpora's held-out documents):")
     teacher_ppl = perplexity(teacher, windows, bf16=options.bf16, desc="source perplexity")
     print(f"  original  : {teacher_ppl:10.2f}")
     student_ppl = perplexity(student, windows, bf16=options.bf16, desc="converted perplexity")

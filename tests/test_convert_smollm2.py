@@ -113,7 +113,8 @@ def test_auto_plan_keeps_layer_zero_the_induction_layers_and_the_costliest_layer
 
 def test_conversion_ranking_frees_the_slots_of_layers_a_delta_layer_imitates(teacher):
     """`--rank_by conversion` measures what converting each layer alone costs: layer 1, whose bypass is ruinous
-    (its attention matters), still costs most converted, but far less than bypassed; the plan keeps layer 0 and
+    (its attention matters), is still among the costliest converted (first on the three older corpora, second
+    to layer 24 since Django's pages joined the text), but far less than bypassed; the plan keeps layer 0 and
     the induction layers as the default plan does, and fills the rest by conversion cost."""
     settings = ConversionSettings(keep_attention="auto:0.25", rank_by="conversion", rank_tokens=2 * SEQ, **FAST)
     windows = token_windows(teacher.tokenizer, train_texts(), SEQ, 2)
@@ -126,7 +127,7 @@ def test_conversion_ranking_frees_the_slots_of_layers_a_delta_layer_imitates(tea
     copy_layers = [i for i, _ in plan.induction[:4]]
     others = sorted((i for i in costs if i not in (0, *copy_layers)), key=lambda i: -costs[i])
     assert set(plan.kept) == {0, *copy_layers, *others[:3]}
-    assert max(costs, key=costs.get) == 1
+    assert 1 in sorted(costs, key=costs.get)[-2:] and 1 in plan.kept
     _, bypass = rank_layers_by_bypass(teacher.model, windows, bf16=True, progress=False)
     assert bypass[1] > 5 * costs[1]  # zeroing layer 1's attention is ruinous; a delta layer in its place is not
     assert bypass[2] > costs[2] and 2 not in plan.kept  # layer 2 converts almost for free

@@ -142,10 +142,21 @@ def test_the_full_grid_leaves_out_variants_that_today_s_defaults_make_the_baseli
     assert sweep._repeats_baseline("gate-channel", defaults) == "baseline"  # the channel gate is convert's default
     for name in ("baseline", "baseline-seed-1", "temperature-2", "gate-scalar", "layers-uniform", "data-quote-mix"):
         assert sweep._repeats_baseline(name, defaults) is None, name
+    # a training mix spelled out is the default `builtin:train` when its normalised weights are the default's
+    with_data = {**defaults, "dataset": "builtin:train"}
+    assert sweep._repeats_baseline("data-django-0.25-seed-1", with_data) == "baseline-seed-1"
+    for name in ("data-three-corpora", "data-brown-0.7", "data-quote-mix"):
+        assert sweep._repeats_baseline(name, with_data) is None, name
+    monkeypatch.setitem(sweep.VARIANTS, "data-doubled", {"dataset": "builtin:train:sotu=0.525,shakespeare=0.375,"
+                                                                    "brown=0.6,django=0.5"})
+    assert sweep._repeats_baseline("data-doubled", with_data) == "baseline"
+    assert sweep._repeats_baseline("data-doubled", {**defaults, "dataset": "corpus.txt"}) is None
     names = sweep.check_options(SweepRecipeOptions(output_dir=str(tmp_path / "o")))
     left_out = capsys.readouterr().out
-    for name in ("temperature-now", "temperature-now-seed-1", "gate-channel", "gate-channel-seed-1"):
+    for name in ("temperature-now", "temperature-now-seed-1", "gate-channel", "gate-channel-seed-1", "data-doubled",
+                 "data-django-0.25", "data-django-0.25-seed-1"):
         assert name not in names and name in left_out
+    assert "data-three-corpora" in names
     assert {"baseline", "baseline-seed-1", "temperature-2", "gate-scalar"} <= set(names)
     assert "the recipe of ['baseline', 'baseline-seed-1']" in left_out
     # named, a repeat still runs (the README's commands of earlier sittings name gate-channel)

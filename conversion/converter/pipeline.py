@@ -449,7 +449,7 @@ def convert_model(source, settings: ConversionSettings | None = None, tokenizer=
     described = "the given token windows" if windows is not None else (
         "random token ids (the source has no tokenizer)" if tokenizer is None else
         "the given calibration text" if calibration_texts is not None else
-        "the assets' training text (State of the Union, Shakespeare; held-out documents excluded)")
+        "the assets' training text (the default builtin:train mix; held-out documents excluded)")
     if plan.delta and converted is not None:
         used = converted.windows.numel()
         calibration = _take_delta_layers(student, converted, plan)

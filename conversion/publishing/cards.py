@@ -125,7 +125,8 @@ def conversion_card(result, model_path: str = ".", has_tokenizer: bool = True) -
 # ----------------------------------------------------------------------------------------------- distilled
 
 EVAL_NAMES = {
-    "builtin:heldout": "held-out documents of the training corpora (State of the Union, Shakespeare, Brown Corpus)",
+    "builtin:heldout": ("held-out documents of the training corpora (State of the Union, Shakespeare, Brown Corpus, "
+                        "Django's documentation)"),
     "builtin:crossdomain": "corpora of other domains and eras held out of training whole (e-mail, King James Bible)",
 }
 
