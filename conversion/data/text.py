@@ -241,6 +241,12 @@ def _builtin_weights(source: str, text: str) -> dict[str, float]:
     return weights
 
 
+def _builtin_parts(source: str) -> tuple[str, str]:
+    """The set and the rest of a `builtin:SET[:REST]` source: `builtin:train:sotu=1` -> ("train", "sotu=1")."""
+    _, which, rest = (source.split(":", 2) + ["", ""])[:3]
+    return which, rest
+
+
 def builtin_train_mix(source: str) -> dict[str, float] | None:
     """The normalised corpus weights a `builtin:train[:...]` source trains on (the default mix for `builtin:train`),
     so that two spellings of one mix compare equal; None for any other source."""
@@ -248,7 +254,7 @@ def builtin_train_mix(source: str) -> dict[str, float] | None:
 
     if not source.startswith("builtin:"):
         return None
-    _, which, rest = (source.split(":", 2) + [""])[:3]
+    which, rest = _builtin_parts(source)
     if which != "train":
         return None
     return assets.check_train_weights(_builtin_weights(source, rest) if rest else dict(assets.TRAIN_WEIGHTS))
@@ -260,7 +266,7 @@ def builtin_documents(source: str) -> list:
     Training sets are `assets.training_documents`; the evaluation sets never share a document with them."""
     from . import assets
 
-    _, which, rest = (source.split(":", 2) + [""])[:3]
+    which, rest = _builtin_parts(source)
     if which == "train":
         return assets.training_documents(_builtin_weights(source, rest) if rest else None)
     if which in ("heldout", "crossdomain") and not rest:
@@ -284,7 +290,7 @@ def check_trainable(source: str) -> None:
         return
     from .assets import check_train_weights
 
-    _, which, rest = (source.split(":", 2) + [""])[:3]
+    which, rest = _builtin_parts(source)
     if which in ("heldout", "crossdomain"):
         raise ValueError(f"{source} is the evaluation split (never trained on); train on builtin:train or your own "
                          "data")
