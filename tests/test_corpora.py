@@ -370,3 +370,26 @@ def test_bench_distill_trains_on_the_dataset_it_is_given_and_refuses_a_bad_one_b
               "mixed_precision": "bf16", "dataset": "builtin:train@0.5+generated:gen@0.5",
               "teacher_finetune_tokens_per_s": 300, "models": {}}
     assert "data `builtin:train@0.5+generated:gen@0.5`" in markdown(report).splitlines()[0]
+
+
+def test_evaluate_keeps_a_heldout_corpus_list_as_one_set(tmp_path):
+    from delta_attention.conversion.data.text import source_list
+    from delta_attention.conversion.evaluation.report import EvaluateOptions, run_evaluate
+
+    from conftest import tiny_delta_model
+
+    assert source_list("builtin:heldout:sotu, shakespeare,brown,builtin:crossdomain") == [
+        "builtin:heldout:sotu,shakespeare,brown", "builtin:crossdomain"]
+    # a corpus name continues only a builtin:heldout: list; elsewhere it stays a source of its own
+    assert source_list("builtin:heldout,brown") == ["builtin:heldout", "brown"]
+    assert source_list("builtin:crossdomain,bible,,") == ["builtin:crossdomain", "bible"]
+
+    folder = tmp_path / "model"
+    tiny_delta_model(seed=2).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    options = EvaluateOptions(model=str(folder), tasks="perplexity", max_tokens=64, window=32, stride=16,
+                              dataset="builtin:heldout:sotu,shakespeare,builtin:heldout:django",
+                              output_dir=str(tmp_path / "report"))
+    sets = run_evaluate(options)["models"]["model"]["perplexity_sets"]
+    assert list(sets) == ["builtin:heldout:sotu,shakespeare", "builtin:heldout:django"]
+    assert all(row["tokens"] == 64 and row["perplexity"] > 1 for row in sets.values())

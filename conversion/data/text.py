@@ -283,6 +283,25 @@ def builtin_documents(source: str) -> list:
     raise ValueError(f"unknown built-in set {source!r}; use {BUILTIN_SETS}")
 
 
+def source_list(text: str) -> list[str]:
+    """Split a comma-separated list of sources, keeping a `builtin:heldout:A,B` corpus list whole.
+
+    `builtin:heldout:sotu,brown,builtin:crossdomain` -> ["builtin:heldout:sotu,brown", "builtin:crossdomain"]: a part
+    that names a built-in corpus right after a `builtin:heldout:` part continues that part's list."""
+    from . import assets
+
+    names = {item.name for item in assets.CORPORA}
+    sources = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if part in names and sources and sources[-1].startswith("builtin:heldout:"):
+            sources[-1] += "," + part
+        else:
+            sources.append(part)
+    return sources
+
+
 def check_trainable(source: str) -> None:
     """Raise a `ValueError` when `source` is a built-in evaluation set (held-out and cross-domain text never
     reaches training), an unknown built-in set, or a `builtin:train` mix naming a corpus it may not train on."""

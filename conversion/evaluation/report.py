@@ -19,7 +19,7 @@ from .peak_memory import task_peak_memory
 from .perplexity import perplexity_of_texts
 from .tasks import decode_speed, mean_over_depths, passkey_grid
 from ..loading import check_model_spec, load_model
-from ..data.text import evaluation_texts
+from ..data.text import evaluation_texts, source_list
 
 TASKS = ("perplexity", "long_ppl", "passkey", "speed", "agreement")
 
@@ -34,7 +34,8 @@ class EvaluateOptions:
                                    metadata={"help": f"comma-separated: {TASKS}"})
     dataset: str = dataclasses.field(default="builtin:heldout,builtin:crossdomain", metadata={
         "help": "texts for perplexity: one set, or several comma-separated (one row each: in-domain held-out and "
-                "cross-domain by default); long_ppl reads the first"})
+                "cross-domain by default; builtin:heldout:sotu,brown is one set of two corpora); long_ppl reads the "
+                "first"})
     text_column: str = dataclasses.field(default="text", metadata={"help": "column holding the text"})
     max_tokens: int = dataclasses.field(default=16_384, metadata={"help": "tokens scored for perplexity (0 = all)"})
     window: int = dataclasses.field(default=1024, metadata={"help": "perplexity window"})
@@ -195,7 +196,7 @@ def run_evaluate(options: EvaluateOptions) -> dict:
     dtype = torch.bfloat16 if options.bf16 else torch.float32
     texts = perplexity_sets = None
     if "perplexity" in options.tasks or "long_ppl" in options.tasks:
-        names = [name.strip() for name in options.dataset.split(",") if name.strip()]
+        names = source_list(options.dataset)
         perplexity_sets = {name: evaluation_texts(name, options.text_column) for name in names}
         texts = [text for group in perplexity_sets[names[0]] for text in group]
     if agreement:
